@@ -1,0 +1,25 @@
+"""Shared fixtures. Every test module runs under one mode per pytest process:
+patched (default) or stock (VLLM_PATCH_DISABLE=1); scripts/test.sh runs both.
+Guarantee tests assert the guarantee when patched and the failure it removes
+when stock, so no guarantee test can pass by accident."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import vllm_patch  # noqa: E402
+from vllm_patch import envs  # noqa: E402
+
+# Patch vLLM's classes before any test builds a scheduler, as vLLM's plugin
+# loader does in a real engine process.
+vllm_patch.register()
+
+
+@pytest.fixture(scope="session")
+def patched() -> bool:
+    """True when the patches are on; False for the stock (disabled) run."""
+    return not envs.settings().disable

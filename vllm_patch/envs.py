@@ -1,0 +1,79 @@
+"""Every environment variable vllm_patch reads, parsed in one typed place.
+
+Values are read at call time (not cached at import), so a test or a CLI
+subprocess can set them before calling `vllm_patch.register()`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean; use 1/0, true/false, yes/no or on/off"
+    )
+
+
+def _names(name: str) -> frozenset[str]:
+    raw = os.environ.get(name, "")
+    return frozenset(part.strip() for part in raw.split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Apply nothing: stock vLLM.
+    disable: bool
+    # Comma-separated patch names not to apply.
+    skip: frozenset[str]
+    # Startup: a patch that cannot be verified is an error, not a warning.
+    # Runtime: use of stale grammar state raises instead of being corrected.
+    strict: bool
+    # G2: grammar termination finishes a structured request (0 restores stock).
+    stop_on_grammar_termination: bool
+    # Runtime invariant checker (issue 8); off by default in serving.
+    check_invariants: bool
+    # TEST ONLY: keep async scheduling on the CPU platform, which silently
+    # turns it off. Never set this in production.
+    test_force_async_scheduling: bool
+
+
+ENV_VARS: dict[str, str] = {
+    "VLLM_PATCH_DISABLE": "1 applies no patch at all (stock vLLM)",
+    "VLLM_PATCH_SKIP": "comma-separated patch names not to apply",
+    "VLLM_PATCH_STRICT": "1 makes an unverifiable patch an error at startup",
+    "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION": (
+        "0 restores stock termination (grammar end is not a stop condition)"
+    ),
+    "VLLM_PATCH_CHECK_INVARIANTS": "1 turns on the runtime invariant checker",
+    "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING": (
+        "TEST ONLY: keep async scheduling on the CPU platform"
+    ),
+}
+
+
+def settings() -> Settings:
+    return Settings(
+        disable=_flag("VLLM_PATCH_DISABLE", False),
+        skip=_names("VLLM_PATCH_SKIP"),
+        strict=_flag("VLLM_PATCH_STRICT", False),
+        stop_on_grammar_termination=_flag(
+            "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", True
+        ),
+        check_invariants=_flag("VLLM_PATCH_CHECK_INVARIANTS", False),
+        test_force_async_scheduling=_flag(
+            "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", False
+        ),
+    )
