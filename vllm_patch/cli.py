@@ -50,6 +50,12 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from vllm_patch.conformance import verify
+
+    return verify.verify(args)
+
+
 def _build_model(args: argparse.Namespace) -> int:
     from vllm_patch.testing import tiny_model
 
@@ -65,6 +71,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true",
                    help="print each patch's full record")
     p.set_defaults(func=_status)
+    from vllm_patch.conformance import GUARANTEE_IDS, verify
+
+    p = sub.add_parser(
+        "verify",
+        help="run the conformance scenarios stock and patched; "
+             "non-zero exit if a guarantee fails when patched",
+        description=verify.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--guarantee", action="append", default=[],
+                   choices=GUARANTEE_IDS, help="only this guarantee (repeatable)")
+    p.add_argument("-k", dest="keyword", action="append", default=[],
+                   metavar="NAME", help="only scenarios whose name contains NAME "
+                   "(repeatable)")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+    p.add_argument("--timeout", type=float, default=verify.DEFAULT_TIMEOUT,
+                   help="seconds allowed per run (stock, patched); "
+                   "default %(default)g")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="exit 0 when no scenario ran (default: exit 4)")
+    p.add_argument("--module", action="append", default=None,
+                   help="scenario module to run instead of the shipped ones "
+                   "(repeatable; for testing your own scenarios)")
+    p.set_defaults(func=_verify)
     p = sub.add_parser("build-model", help="build (or find) the tiny local model")
     p.set_defaults(func=_build_model)
     args = parser.parse_args(argv)

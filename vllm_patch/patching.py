@@ -43,6 +43,9 @@ NON_GUARANTEE_IDS = ("package", "test-only")
 
 ORIGINAL_ATTR = "__vllm_patch_original__"
 NAME_ATTR = "__vllm_patch_name__"
+# Whether the owner defined the attribute itself before patching (else it was
+# inherited, and revert deletes the replacement to restore inheritance).
+HAD_OWN_ATTR = "__vllm_patch_had_own__"
 
 
 class PatchError(RuntimeError):
@@ -90,6 +93,10 @@ class Patch:
     remove_when: str
     # Opt-in patches (test-only switches) apply only when this returns True.
     enabled: Callable[[envs.Settings], bool] | None = None
+    # Adds an attribute vLLM does not have: the owner must exist and the
+    # attribute must NOT; no signature check; `make(None)` builds it; revert
+    # deletes it.
+    new_attribute: bool = False
 
     def __post_init__(self) -> None:
         ids = tuple(GUARANTEES) + NON_GUARANTEE_IDS
@@ -135,6 +142,9 @@ class Outcome:
 class Registry:
     patches: dict[str, Patch] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
+    # (patch, state, detail) already warned about: one warning per skipped
+    # patch per process, however often register() runs.
+    warned: set[tuple[str, str, str]] = field(default_factory=set)
 
     def add(self, patch: Patch) -> None:
         existing = self.patches.get(patch.name)
@@ -175,6 +185,13 @@ def _resolve(patch: Patch) -> tuple[Any, str, Any, bool]:
             raise LookupError(f"{patch.module_name} has no {part}")
         owner = getattr(owner, part)
     attr = path[-1]
+    if patch.new_attribute:
+        if hasattr(owner, attr):
+            current = getattr(owner, attr)
+            if getattr(current, NAME_ATTR, None) == patch.name:
+                return owner, attr, current, False
+            raise LookupError(f"{patch.target} already exists in vLLM")
+        return owner, attr, None, False
     own = attr in vars(owner) if hasattr(owner, "__dict__") else False
     if own:
         original = vars(owner)[attr]
@@ -183,6 +200,12 @@ def _resolve(patch: Patch) -> tuple[Any, str, Any, bool]:
     else:
         raise LookupError(f"{patch.target} does not exist")
     return owner, attr, original, own
+
+
+def _tag_holder(obj: Any) -> Any:
+    """Where patch attributes live: the function inside a classmethod or
+    staticmethod (a bound method forwards attribute reads to it)."""
+    return obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
 
 
 def _signature_of(obj: Any) -> tuple[str, ...] | None:
@@ -203,16 +226,27 @@ def _unenforced(outcome: Outcome, settings: envs.Settings) -> Outcome:
     )
     if settings.strict and outcome.state not in (State.DISABLED, State.SKIPPED_BY_USER):
         raise PatchError(msg + " [VLLM_PATCH_STRICT=1]")
-    logger.warning(msg)
+    key = (patch.name, outcome.state.value, outcome.detail)
+    if key not in REGISTRY.warned:
+        REGISTRY.warned.add(key)
+        logger.warning(msg)
     return outcome
 
 
 def apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
+    wanted = not (
+        settings.disable
+        or (patch.enabled is not None and not patch.enabled(settings))
+        or patch.name in settings.skip
+    )
     previous = REGISTRY.outcomes.get(patch.name)
     if previous is not None and previous.state is State.APPLIED:
         current = getattr(previous.owner, previous.attr, None)
         if getattr(current, NAME_ATTR, None) == patch.name:
-            return previous  # idempotent: already in place
+            if wanted:
+                return previous  # idempotent: already in place
+            # Switched off since it was applied: stock again, as reported.
+            revert_patch(patch.name)
 
     if settings.disable:
         outcome = Outcome(patch, State.DISABLED)
@@ -242,13 +276,17 @@ def _verify_and_apply(patch: Patch, settings: envs.Settings) -> Outcome:
     except LookupError as exc:
         return _unenforced(Outcome(patch, State.TARGET_MISSING, str(exc)), settings)
 
-    if getattr(original, NAME_ATTR, None) == patch.name:
+    if getattr(_tag_holder(original), NAME_ATTR, None) == patch.name:
         # Applied by an earlier registry instance (e.g. module reloaded).
-        return Outcome(patch, State.APPLIED, "already applied", owner, attr, own,
-                       getattr(original, ORIGINAL_ATTR))
+        # `own` is True now that the replacement is in place; the tag says
+        # whether the original was the owner's own or inherited.
+        holder = _tag_holder(original)
+        return Outcome(patch, State.APPLIED, "already applied", owner, attr,
+                       getattr(holder, HAD_OWN_ATTR, own),
+                       getattr(holder, ORIGINAL_ATTR))
 
     found = _signature_of(original)
-    if found != patch.signature:
+    if not patch.new_attribute and found != patch.signature:
         return _unenforced(
             Outcome(patch, State.SIGNATURE_MISMATCH,
                     f"expected {patch.signature}, found {found}"),
@@ -256,11 +294,13 @@ def _verify_and_apply(patch: Patch, settings: envs.Settings) -> Outcome:
         )
 
     replacement = patch.make(original)
-    if callable(replacement) and not isinstance(replacement, type):
-        if inspect.isfunction(original):
-            functools.update_wrapper(replacement, original)
-        setattr(replacement, NAME_ATTR, patch.name)
-        setattr(replacement, ORIGINAL_ATTR, original)
+    holder = _tag_holder(replacement)
+    if callable(holder) and not isinstance(holder, type):
+        if inspect.isfunction(_tag_holder(original)) and inspect.isfunction(holder):
+            functools.update_wrapper(holder, _tag_holder(original))
+        setattr(holder, NAME_ATTR, patch.name)
+        setattr(holder, ORIGINAL_ATTR, original)
+        setattr(holder, HAD_OWN_ATTR, own)
     setattr(owner, attr, replacement)
     logger.debug("vllm_patch: applied %s to %s", patch.name, patch.target)
     return Outcome(patch, State.APPLIED, "", owner, attr, own, original)
