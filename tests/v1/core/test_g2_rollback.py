@@ -1,0 +1,135 @@
+"""G2: nothing past the grammar's end is committed (scheduler tier).
+
+Every scenario of vllm_patch.conformance.g2 runs against the real scheduler:
+patched, it must hold; stock (VLLM_PATCH_DISABLE=1), each `stock_fails`
+scenario must show the failure the patch removes, and the controls must hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_patch.conformance import g2
+from vllm_patch.patching import version_series, vllm_version
+
+pytestmark = pytest.mark.scheduler
+
+SERIES = version_series(vllm_version())
+
+
+@pytest.mark.parametrize("scenario", g2.SCENARIOS, ids=lambda s: s.name)
+def test_g2_scenario(scenario, patched):
+    if SERIES not in scenario.series:
+        pytest.skip(f"scenario is for vLLM {scenario.series}")
+    violations = scenario.run()
+    if patched or not scenario.stock_fails:
+        assert violations == []
+    else:
+        assert violations != [], "stock vLLM unexpectedly holds G2 here"
+
+
+def _unstructured_run():
+    """A scripted mixed batch; returns what the unstructured requests emitted
+    and their end state."""
+    from vllm_patch.testing.harness import EOS, Harness
+
+    out = []
+    for async_ in (False, True):
+        h = Harness("xgrammar", num_spec_tokens=3, async_scheduling=async_)
+        x, y = h.tok("x"), h.tok("y")
+        p = [x, y, x, y]
+        u = [h.add_request(p, ignore_eos=True, logprobs=1, max_tokens=7),
+             h.add_request(p, logprobs=1, max_tokens=20),
+             h.add_request(p, stop_token_ids=[y], max_tokens=20)]
+        if async_:
+            h.launch()
+            h.launch(drafts={r: [x, EOS, x] for r in u})
+            h.finish_oldest({r: [x] for r in u})
+            h.launch(drafts={r: [y, y, y] for r in u})
+            h.finish_oldest({r: [x, EOS, x, y] for r in u})
+            h.finish_oldest({r: [y, y] for r in u})
+        else:
+            h.step({r: [x] for r in u}, drafts={r: [x, EOS, x] for r in u})
+            h.step({r: [x, EOS, x, y] for r in u}, drafts={r: [y, y] for r in u})
+            live = [r for r in u if not h.request(r).is_finished()]
+            h.step({r: [y, y, x] for r in live})
+        for r in u:
+            req = h.request(r)
+            e = h.emitted(r)
+            out.append((async_, e.token_ids, e.logprob_rows, e.finish_reason,
+                        e.stop_reason, req.status.name, req.num_tokens,
+                        len(req.block_hashes), h.spec_totals()))
+        h.drain()
+        out.append(h.held_blocks())
+    return out
+
+
+def test_unstructured_identical_to_stock(patched):
+    """Requests without structured output behave exactly as stock (emitted
+    tokens, logprobs, finish/stop reasons, status, hashes, spec stats)."""
+    import vllm_patch
+    from vllm_patch import patching
+
+    with_patches = _unstructured_run()
+    if not patched:
+        return  # stock run: nothing to compare against
+    patching.revert_all()
+    try:
+        stock = _unstructured_run()
+    finally:
+        vllm_patch.register()
+    assert with_patches == stock
+
+
+def test_stop_on_grammar_termination_off(patched, monkeypatch):
+    """VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 restores stock termination
+    (post-terminal tokens emitted, request keeps running) and keeps the
+    rejection trim."""
+    monkeypatch.setenv("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", "0")
+    by_name = {s.name: s for s in g2.SCENARIOS}
+    term = by_name["g2-p1-xgrammar-eos-mid-step"].run()
+    assert any("after the grammar's end" in v for v in term)
+    assert any("finish_reason None" in v for v in term)
+    rej = by_name["g2-p6-rejection-xgrammar"].run()
+    if patched:
+        assert rej == []
+    else:
+        assert rej != []
+
+
+def test_rejection_logs_once(patched, caplog):
+    """One log line naming the request and the rejected token."""
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="vllm_patch")
+    by_name = {s.name: s for s in g2.SCENARIOS}
+    by_name["g2-p6-rejection-xgrammar"].run()
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "vllm_patch" and "G2" in r.getMessage()]
+    if patched:
+        assert len(lines) == 1 and "rejected token" in lines[0], lines
+    else:
+        assert lines == []
+
+
+def test_bitmask_and_acceptable_drafts_recorded():
+    """Harness self-check: per-step bitmask rows and num_acceptable_drafts
+    are captured. The row after the terminal draft allows everything on
+    stock (audit 2.2); G3's worker-side hardening may narrow it to the stop
+    tokens, so either is accepted here."""
+    from vllm_patch.testing.harness import EOS, IM_END, Harness
+
+    h = Harness("xgrammar", num_spec_tokens=3)
+    a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+    rid = h.add_request([h.tok("x")] * 4, regex="ab", ignore_eos=True)
+    h.step({rid: [a]}, drafts={rid: [b, EOS, c]})
+    rec = h.step({rid: [b, EOS, c]})
+    rows = rec.bitmask_rows[rid]
+    assert rec.spec_tokens[rid] == [b, EOS]
+    assert h.allowed(rows[0]) == [b]
+    assert set(h.allowed(rows[1])) == {EOS, IM_END}
+    assert len(h.allowed(rows[2])) == len(h.tokenizer) or \
+        set(h.allowed(rows[2])) <= {EOS, IM_END}
+    if rec.num_acceptable_drafts is not None:
+        assert rec.num_acceptable_drafts[rid] == 2
+    h.drain()

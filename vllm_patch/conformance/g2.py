@@ -1,0 +1,437 @@
+"""G2 conformance scenarios: nothing past the grammar's end is committed.
+
+Each scenario drives the real scheduler through `vllm_patch.testing.harness`
+(real grammars, fake runner output) and returns the violations of G2 it
+observes; [] means G2 holds. Failure classes P1-P7 and controls C1-C3 are
+those of ../shared/research/vllm-rollback-audit.md. Tiny-tokenizer ids:
+EOS 1 (tokenizer EOS), IM_END 3 (generation-config EOS), </think> 5.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from vllm_patch.conformance import Scenario
+
+EOS, IM_END, THINK, END_THINK = 1, 3, 4, 5
+PROMPT_TEXT = "xyzx"  # 4 single-char tokens: one full block at block_size 4
+
+
+def _h(backend: str = "xgrammar", **kw: Any):
+    from vllm_patch.testing.harness import Harness
+
+    kw.setdefault("num_spec_tokens", 3)
+    return Harness(backend, **kw)
+
+
+def _prompt(h) -> list[int]:
+    return [h.tok(c) for c in PROMPT_TEXT]
+
+
+def _finished(h, rid: str) -> bool:
+    return h.request(rid).is_finished()
+
+
+def _drive(h, rid: str, script: list[tuple[list[int], list[int]]],
+           clip: bool | None = True) -> None:
+    """Sync steps: (sampled, next drafts) per step, while `rid` is
+    unfinished. Sampled lists are clipped to 1 + the drafts that survived
+    validation, as a real runner returns (clip=None: synthetic, unclipped)."""
+    for sampled, drafts in script:
+        if _finished(h, rid):
+            break
+        h.step({rid: sampled}, drafts={rid: drafts} if drafts else None,
+               clip=clip)
+
+
+def _check(h, rid: str, want: list[int], finish: str = "stop",
+           stop_reason: Any = "unset", status: str | None = None,
+           past: str = "after the grammar's end") -> list[str]:
+    """Violations of G2 for one request whose grammar ends at `want`."""
+    v: list[str] = []
+    em = h.emitted(rid)
+    req = h.request(rid)
+    got = em.token_ids
+    if got[:len(want)] == want and len(got) > len(want):
+        v.append(f"emitted {len(got) - len(want)} token(s) {past}: "
+                 f"{got[len(want):]}")
+    elif got != want:
+        v.append(f"emitted {got}, want {want}")
+    if em.logprob_rows and em.logprob_rows != len(got):
+        v.append(f"logprob rows {em.logprob_rows} != tokens {len(got)}")
+    if em.logprob_rows > len(want):
+        v.append(f"logprob rows {em.logprob_rows} > grammar-valid tokens "
+                 f"{len(want)}")
+    if em.finish_reason != finish:
+        v.append(f"finish_reason {em.finish_reason}, want {finish}")
+    if stop_reason != "unset" and em.finish_reason == finish and \
+            em.stop_reason != stop_reason:
+        v.append(f"stop_reason {em.stop_reason!r}, want {stop_reason!r}")
+    if status and req.status.name != status:
+        v.append(f"status {req.status.name}, want {status}")
+    if req.is_finished() and req.num_computed_tokens > req.num_tokens - 1:
+        v.append(f"num_computed_tokens {req.num_computed_tokens} > "
+                 f"num_tokens - 1 = {req.num_tokens - 1}")
+    d, a, _ = h.spec_totals()
+    if a > d:
+        v.append(f"spec stats: {d} drafts, {a} accepted")
+    return v
+
+
+def _idle_blocks(h) -> list[str]:
+    """At idle (every step applied, no live request) every block is free."""
+    live = [r for r, q in h.requests.items() if not q.is_finished()]
+    v = []
+    if live:
+        v.append(f"requests still running after their grammar ended: {live}")
+    h.drain()
+    return v
+
+
+def _held_at_idle(h) -> list[str]:
+    live = [r for r, q in h.requests.items() if not q.is_finished()]
+    held = h.held_blocks()
+    v = []
+    if held and live:
+        v.append(f"blocks held at idle: {held} (by {live})")
+    h.drain()
+    if h.held_blocks():
+        v.append(f"blocks leaked after drain: {h.held_blocks()}")
+    return v
+
+
+# ------------------------------------------------------------- P1/P2/P4/P5
+def _post_terminal(backend: str, terminal: int, stop_reason: Any):
+    def run() -> list[str]:
+        h = _h(backend)
+        a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+        rid = h.add_request(_prompt(h), regex="ab", ignore_eos=True, logprobs=1)
+        _drive(h, rid, [([a], [b, terminal, c]), ([b, terminal, c], []),
+                        ([h.tok("d")], [])])
+        return _check(h, rid, [a, b, terminal], stop_reason=stop_reason,
+                      status="FINISHED_STOPPED") + _held_at_idle(h)
+    return run
+
+
+def _terminal_first_draft() -> list[str]:
+    h = _h()
+    a, c, d = h.tok("a"), h.tok("c"), h.tok("d")
+    rid = h.add_request(_prompt(h), regex="a", ignore_eos=True, logprobs=1)
+    _drive(h, rid, [([a], [EOS, c, d]), ([EOS, c], []), ([d], [])])
+    return _check(h, rid, [a, EOS], stop_reason=None) + _held_at_idle(h)
+
+
+def _terminal_bonus(backend: str):
+    def run() -> list[str]:
+        h = _h(backend)
+        a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+        rid = h.add_request(_prompt(h), regex="abc", ignore_eos=True, logprobs=1)
+        # Nothing is dropped: the bonus is the terminal; finish in that pass.
+        _drive(h, rid, [([a], [b, c]), ([b, c, EOS], []), ([h.tok("d")], [])])
+        return _check(h, rid, [a, b, c, EOS], stop_reason=None) + _held_at_idle(h)
+    return run
+
+
+def _multi_step(backend: str):
+    """k=3 fully accepted (k+1 tokens, no terminal), terminal on a later step."""
+    def run() -> list[str]:
+        h = _h(backend)
+        t = [h.tok(ch) for ch in "abcde"]
+        x, y = h.tok("x"), h.tok("y")
+        rid = h.add_request(_prompt(h), regex="abcde", ignore_eos=True, logprobs=1)
+        _drive(h, rid, [([t[0]], t[1:4]), (t[1:5], [EOS, x, y]), ([EOS, x], []),
+                        ([y], [])])
+        return _check(h, rid, t + [EOS], stop_reason=None) + _held_at_idle(h)
+    return run
+
+
+# ---------------------------------------------------------------------- P3
+def _async(ignore_eos: bool, overlap: bool):
+    """overlap: a third step is launched before the second is applied, so
+    the request finishes with a step in flight (counters then include it)."""
+    def run() -> list[str]:
+        h = _h(async_scheduling=True)
+        a, b, c, d = (h.tok(ch) for ch in "abcd")
+        rid = h.add_request(_prompt(h), regex="ab", ignore_eos=ignore_eos,
+                            logprobs=1)
+        h.launch()                                  # s1: prefill
+        h.launch(drafts={rid: [b, EOS, c]})         # s2: decode, drafts from s1
+        h.finish_oldest({rid: [a]})
+        if overlap and not _finished(h, rid):
+            h.launch(drafts={rid: [d, d, d]})       # s3 in flight during s2's update
+        # The V1 runner verifies its own post-terminal draft `c` against an
+        # all-ones row and accepts it (audit P3): sampled [b, EOS, c, d].
+        h.finish_oldest({rid: [b, EOS, c, d]})
+        while h.in_flight:
+            h.finish_oldest({} if _finished(h, rid) else {rid: [d, d, d, d]})
+        v = _check(h, rid, [a, b, EOS], stop_reason=None)
+        req = h.request(rid)
+        if overlap:  # counters include the in-flight step by design
+            v = [m for m in v if not m.startswith("num_computed")]
+        elif req.is_finished() and req.num_output_placeholders:
+            v.append(f"num_output_placeholders {req.num_output_placeholders} "
+                     "after finish")
+        return v + _held_at_idle(h)
+    return run
+
+
+# ---------------------------------------------------------------------- P6
+def _rejection(backend: str):
+    def run() -> list[str]:
+        h = _h(backend)
+        a, b, c, x, y = (h.tok(ch) for ch in "abcxy")
+        rid = h.add_request(_prompt(h), regex="abc", logprobs=1)
+        # Synthetic mask/commit divergence: `x` violates the grammar.
+        _drive(h, rid, [([a], [b, c]), ([b, x, y], [])], clip=None)
+        v = _check(h, rid, [a, b], finish="error", status="FINISHED_ERROR",
+                   past="past the grammar-valid prefix")
+        if h.request(rid).resumable:
+            v.append("rejected request is resumable")
+        return v + _held_at_idle(h)
+    return run
+
+
+# ---------------------------------------------------------------------- P7
+def _reasoning() -> list[str]:
+    h = _h(reasoning_parser="deepseek_r1")
+    a, k, x, y = h.tok("a"), h.tok("k"), h.tok("x"), h.tok("y")
+    rid = h.add_request(_prompt(h) + [THINK], regex="a", ignore_eos=True,
+                        logprobs=1)
+    _drive(h, rid, [([k], [END_THINK, a, EOS]), ([END_THINK, a, EOS, x], []),
+                    ([y], [])])
+    v = _check(h, rid, [k, END_THINK, a, EOS], stop_reason=None)
+    if not h.request(rid).structured_output_request.reasoning_ended:
+        v.append("reasoning_ended not latched")
+    return v + _held_at_idle(h)
+
+
+# -------------------------------------------------------- single-token steps
+def _no_spec() -> list[str]:
+    h = _h(num_spec_tokens=0)
+    a, b, c, d = (h.tok(ch) for ch in "abcd")
+    rid = h.add_request(_prompt(h), regex="ab", ignore_eos=True, logprobs=1)
+    _drive(h, rid, [([a], []), ([b], []), ([EOS], []), ([c], []), ([d], [])])
+    return _check(h, rid, [a, b, EOS], stop_reason=None) + _held_at_idle(h)
+
+
+# ----------------------------------------------------------------- controls
+def _c1() -> list[str]:
+    h = _h()
+    a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+    rid = h.add_request(_prompt(h), regex="ab", logprobs=1)
+    _drive(h, rid, [([a], [b, EOS, c]), ([b, EOS, c], [])])
+    v = _check(h, rid, [a, b, EOS], stop_reason=None)
+    return [x for x in v if not x.startswith("num_computed")] + _held_at_idle(h)
+
+
+def _c2() -> list[str]:
+    h = _h()
+    a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+    rid = h.add_request(_prompt(h), regex="ab", ignore_eos=True, max_tokens=2,
+                        logprobs=1)
+    _drive(h, rid, [([a], [b, EOS, c]), ([b, EOS, c], [])])
+    v = _check(h, rid, [a, b], finish="length")
+    v = [x for x in v if not x.startswith("num_computed")]
+    if h.grammar(rid).is_terminated():
+        v.append("grammar terminated although EOS was trimmed by max_tokens")
+    return v + _held_at_idle(h)
+
+
+def _c3() -> list[str]:
+    h = _h()
+    a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+    rid = h.add_request(_prompt(h), regex="ab", ignore_eos=True,
+                        stop_token_ids=[IM_END], logprobs=1)
+    _drive(h, rid, [([a], [b, IM_END, c]), ([b, IM_END, c], [])])
+    v = _check(h, rid, [a, b, IM_END], stop_reason=IM_END)
+    return [x for x in v if not x.startswith("num_computed")] + _held_at_idle(h)
+
+
+def _stop_trim_rollback() -> list[str]:
+    """0.32: a stop trim (here EOS without ignore_eos) rolls back
+    num_computed_tokens, sync and async."""
+    v = []
+    for async_ in (False, True):
+        h = _h(async_scheduling=async_)
+        a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+        rid = h.add_request(_prompt(h), regex="ab", logprobs=1)
+        if async_:
+            h.launch()
+            h.launch(drafts={rid: [b, EOS, c]})
+            h.finish_oldest({rid: [a]})
+            h.finish_oldest({rid: [b, EOS, c, c]})
+        else:
+            _drive(h, rid, [([a], [b, EOS, c]), ([b, EOS, c], [])])
+        req = h.request(rid)
+        if req.num_computed_tokens > req.num_tokens - 1:
+            v.append(f"{'async' if async_ else 'sync'}: num_computed_tokens "
+                     f"{req.num_computed_tokens} > num_tokens - 1 = "
+                     f"{req.num_tokens - 1} after a stop trim")
+        h.drain()
+    return v
+
+
+# ------------------------------------------------------ KV / prefix cache
+def _prefix_probe(block_size: int):
+    """The dropped token `c` completes a block; no later request may get a
+    prefix-cache hit through it."""
+    def run() -> list[str]:
+        h = _h(block_size=block_size)
+        a, b, c, d, q = (h.tok(ch) for ch in "abcdq")
+        prompt = _prompt(h)
+        rid = h.add_request(prompt, regex="ab", ignore_eos=True, logprobs=1)
+        _drive(h, rid, [([a], [b, EOS, c]), ([b, EOS, c], []), ([d], []),
+                        ([d], [])])
+        kept = len(prompt) + 3  # prompt + a b EOS
+        probe = prompt + [a, b, EOS, c, d, q]
+        hit = h.prefix_hit(probe)
+        v = _check(h, rid, [a, b, EOS], stop_reason=None)
+        if hit > kept:
+            v.append(f"prefix-cache hit {hit} tokens > {kept} committed: a "
+                     "cached block holds dropped tokens")
+        req = h.request(rid)
+        nh = len(req.block_hashes)
+        if nh * block_size > kept:
+            v.append(f"{nh} block hashes cover {nh * block_size} tokens > "
+                     f"{kept} committed")
+        return v + _held_at_idle(h)
+    return run
+
+
+# --------------------------------------------------------------- concurrency
+def _mixed() -> list[str]:
+    """Structured requests ending at the first draft, a middle draft and the
+    bonus, next to unstructured ones, in the same batches."""
+    h = _h()
+    a, b, c, d, x = (h.tok(ch) for ch in "abcdx")
+    p = _prompt(h)
+    s1 = h.add_request(p, regex="a", ignore_eos=True, logprobs=1)
+    s2 = h.add_request(p, regex="ab", ignore_eos=True, logprobs=1)
+    s3 = h.add_request(p, regex="abc", ignore_eos=True, logprobs=1)
+    u1 = h.add_request(p, ignore_eos=True, logprobs=1, max_tokens=6)
+    u2 = h.add_request(p, logprobs=1, max_tokens=20)
+    script = {
+        s1: [([a], [EOS, c, d]), ([EOS, c], []), ([d], [])],
+        s2: [([a], [b, EOS, c]), ([b, EOS, c], []), ([d], [])],
+        s3: [([a], [b, c]), ([b, c, EOS], []), ([d], [])],
+        u1: [([x], [EOS, x, x]), ([EOS, x, x, x], []), ([x], [x, x, x])],
+        u2: [([x], [x, x, x]), ([x, x, EOS, x], []), ([x], [])],
+    }
+    for i in range(3):
+        live = {r: s[i] for r, s in script.items() if not _finished(h, r)}
+        if not live:
+            break
+        h.step({r: s[0] for r, s in live.items()},
+               drafts={r: s[1] for r, s in live.items() if s[1]})
+    v = []
+    for rid, want in ((s1, [a, EOS]), (s2, [a, b, EOS]), (s3, [a, b, c, EOS])):
+        v += [f"{rid}: {m}" for m in _check(h, rid, want, stop_reason=None)]
+    # Unstructured: exactly what stock check_stop gives.
+    if h.emitted(u1).token_ids != [x, EOS, x, x, x, x] or \
+            h.emitted(u1).finish_reason != "length":
+        v.append(f"{u1} (unstructured, ignore_eos): {h.emitted(u1)}")
+    if h.emitted(u2).token_ids != [x, x, x, EOS] or \
+            h.emitted(u2).finish_reason != "stop":
+        v.append(f"{u2} (unstructured): {h.emitted(u2)}")
+    return v + _held_at_idle(h)
+
+
+def _all_free() -> list[str]:
+    """Sync and async, every backend: once every grammar has ended and every
+    step is applied, every block is free again."""
+    v = []
+    for backend in ("xgrammar", "guidance", "outlines"):
+        for async_ in (False, True):
+            h = _h(backend, async_scheduling=async_)
+            a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+            rid = h.add_request(_prompt(h), regex="ab", ignore_eos=True)
+            if async_:
+                h.launch()
+                h.launch(drafts={rid: [b, EOS, c]})
+                h.finish_oldest({rid: [a]})
+                h.finish_oldest({rid: [b, EOS, c]})
+            else:
+                _drive(h, rid, [([a], [b, EOS, c]), ([b, EOS, c], [])])
+            held = h.held_blocks()
+            if held:
+                v.append(f"{backend}/{'async' if async_ else 'sync'}: blocks "
+                         f"held at idle: {held}")
+            h.drain()
+            if h.held_blocks():
+                v.append(f"{backend}: {h.held_blocks()} blocks leaked")
+    return v
+
+
+def _s(name: str, description: str, run: Callable[[], list[str]],
+       stock_fails: bool = True, series: tuple[str, ...] = ("0.32", "0.33")
+       ) -> Scenario:
+    return Scenario(name=name, guarantee="G2", description=description, run=run,
+                    stock_fails=stock_fails, series=series)
+
+
+SCENARIOS: list[Scenario] = [
+    _s("g2-p1-xgrammar-eos-mid-step",
+       "P1: xgrammar, ignore_eos, drafts [b, EOS], bonus c after the terminal",
+       _post_terminal("xgrammar", EOS, None)),
+    _s("g2-p1-terminal-first-draft",
+       "P1: the first draft is the terminal, bonus after it",
+       _terminal_first_draft),
+    _s("g2-p1-terminal-bonus",
+       "P1: the bonus token is the terminal: nothing dropped, finish now",
+       _terminal_bonus("xgrammar")),
+    _s("g2-p2-genconfig-eos",
+       "P2: terminal is the generation-config EOS <|im_end|> under ignore_eos",
+       _post_terminal("xgrammar", IM_END, IM_END)),
+    _s("g2-p3-async-post-terminal-drafts",
+       "P3: AsyncScheduler, runner accepts its post-terminal draft; ignore_eos",
+       _async(True, overlap=False)),
+    _s("g2-p3-async-overlap",
+       "P3 with the next step in flight when the grammar ends: its output is "
+       "dropped, blocks freed", _async(True, overlap=True)),
+    _s("g2-p3-async-stats",
+       "P3: AsyncScheduler without ignore_eos: output right, stats 2 drafts/3 "
+       "accepted on stock", _async(False, overlap=False)),
+    _s("g2-p4-guidance", "P4: guidance, ignore_eos, token after EOS",
+       _post_terminal("guidance", EOS, None)),
+    _s("g2-p4-guidance-bonus", "P4: guidance, terminal is the bonus",
+       _terminal_bonus("guidance")),
+    _s("g2-p5-outlines", "P5: outlines, ignore_eos, token after EOS",
+       _post_terminal("outlines", EOS, None)),
+    _s("g2-p5-outlines-bonus", "P5: outlines, terminal is the bonus",
+       _terminal_bonus("outlines")),
+    _s("g2-p6-rejection-xgrammar",
+       "P6: a grammar-invalid token mid-step: only the valid prefix, error",
+       _rejection("xgrammar")),
+    _s("g2-p6-rejection-guidance", "P6 with guidance", _rejection("guidance")),
+    _s("g2-p6-rejection-outlines", "P6 with outlines", _rejection("outlines")),
+    _s("g2-p7-reasoning-boundary",
+       "P7: </think>, grammar and terminal in one step (deepseek_r1)",
+       _reasoning),
+    _s("g2-no-spec-single-token-steps",
+       "single-token steps, no speculation, ignore_eos: stop at the terminal",
+       _no_spec),
+    *[_s(f"g2-multi-step-{be}",
+         f"{be}: a fully accepted k+1 step, terminal on a later step",
+         _multi_step(be)) for be in ("xgrammar", "guidance", "outlines")],
+    _s("g2-c1-eos-without-ignore-eos",
+       "C1: EOS terminal without ignore_eos: stock trims right",
+       _c1, stock_fails=False),
+    _s("g2-c2-max-tokens-mid-step",
+       "C2: max_tokens reached before the terminal: length, grammar open",
+       _c2, stock_fails=False),
+    _s("g2-c3-user-stop-token",
+       "C3: a user stop token that is also a grammar stop, ignore_eos",
+       _c3, stock_fails=False),
+    _s("g2-stop-trim-rollback-0.32",
+       "0.32: a stop trim rolls back num_computed_tokens (as 0.33 does)",
+       _stop_trim_rollback, series=("0.32",)),
+    *[_s(f"g2-prefix-cache-probe-bs{bs}",
+         f"block size {bs}: the dropped token completes a block; no later "
+         "prefix hit through it", _prefix_probe(bs)) for bs in (2, 4, 8)],
+    _s("g2-mixed-concurrency",
+       "structured (terminal at first/middle/bonus) and unstructured requests "
+       "in the same batches", _mixed),
+    _s("g2-every-block-free",
+       "every backend, sync and async: all blocks free once grammars ended",
+       _all_free),
+]
