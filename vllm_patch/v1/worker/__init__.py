@@ -1,0 +1,1 @@
+"""Patches for vllm.v1.worker (see the modules)."""
