@@ -16,9 +16,63 @@ __version__ = "0.1.0"
 # Modules that define patches, each exposing PATCHES: list[Patch]. A patch for
 # vLLM module vllm.X.Y lives in vllm_patch.X.Y.
 PATCH_MODULES: tuple[str, ...] = (
+    "vllm_patch.platforms.cpu",
+    "vllm_patch.v1.engine.core",
+    "vllm_patch.v1.core.sched.scheduler",
+    "vllm_patch.v1.core.sched.async_scheduler",
+    "vllm_patch.v1.core.sched.inflight",
+    "vllm_patch.v1.metrics.stats",
+    "vllm_patch.v1.structured_output",
+    "vllm_patch.v1.structured_output.manager_accept",
+    "vllm_patch.v1.worker.gpu_model_runner",
 )
 
 logger = logging.getLogger("vllm_patch")
+
+
+class _ToVllmLog(logging.Handler):
+    """Hands "vllm_patch" records to the "vllm" logger's current handlers.
+
+    vLLM configures only its "vllm" logger (with propagate=False) and leaves
+    the root logger bare, so in a vLLM process our INFO lines were dropped and
+    our warnings reached stderr unformatted through logging.lastResort. When
+    the application has configured root logging itself, records propagate
+    there instead and this handler stays out of the way (no duplicates).
+    Before vLLM has configured its logger (plugins can load first), records
+    go to stderr in vLLM's format rather than being lost.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._early = logging.StreamHandler()  # stderr
+        self._early.setFormatter(logging.Formatter(
+            "%(levelname)s %(asctime)s [%(name)s] %(message)s", "%m-%d %H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        target = logging.getLogger("vllm")
+        if not target.handlers:
+            self._early.handle(record)
+        elif target.isEnabledFor(record.levelno):
+            target.handle(record)
+
+
+def _route_logs_to_vllm() -> None:
+    """Make vllm_patch's log lines part of vLLM's log (once per process)."""
+    if any(isinstance(h, _ToVllmLog) for h in logger.handlers):
+        return
+    try:
+        import vllm.envs as vllm_envs
+        import vllm.logger  # noqa: F401  (configures the "vllm" logger)
+    except Exception:  # noqa: BLE001 - logging must never break register()
+        return
+    if not vllm_envs.VLLM_CONFIGURE_LOGGING or logger.handlers:
+        return  # the user configures logging; leave "vllm_patch" alone
+    logger.addHandler(_ToVllmLog())
+    if logger.level == logging.NOTSET:
+        # The level vLLM gives its own logger (VLLM_LOGGING_LEVEL).
+        logger.setLevel(logging.getLevelName(vllm_envs.VLLM_LOGGING_LEVEL))
 
 
 def load_patches() -> None:
@@ -35,6 +89,7 @@ def register() -> None:
     """Apply every verifiable patch to the installed vLLM (idempotent)."""
     from vllm_patch import envs, patching
 
+    _route_logs_to_vllm()
     settings = envs.settings()
     load_patches()
     outcomes = patching.apply_all(settings)

@@ -1,0 +1,153 @@
+"""Client-side helpers for a real vLLM engine on the tiny local model.
+
+`start_llm()` builds an `LLM` with settings that work on a CPU-only box (see
+../shared/research/vllm-cpu-end-to-end.md); `engine_core_probe()` asks the
+live engine core what the plugin did there (`EngineCore.vllm_patch_probe`,
+added by vllm_patch.v1.engine.core); `worker_probe()` asks the workers;
+`spec_decode_counts()` reads the spec-decode counters from `llm.get_metrics()`.
+
+Environment variables (VLLM_PATCH_*, VLLM_ENABLE_V1_MULTIPROCESSING) must be
+set before `start_llm()`: the engine-core and worker processes inherit them.
+Scripts that start a multiprocess engine need an `if __name__ == "__main__":`
+guard (spawn).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+from vllm_patch.v1.engine.core import PROBE_METHOD, probe_report
+
+STRUCTURED_OUTPUTS_CONFIG = {"backend": "xgrammar", "disable_any_whitespace": True}
+
+
+class ProbeUnavailable(RuntimeError):
+    """The engine core has no probe method: the plugin patched nothing there."""
+
+
+def in_process() -> bool:
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def engine_kwargs(model: str | os.PathLike | None = None, **overrides: Any) -> dict:
+    from vllm_patch.testing.tiny_model import build_target
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model or build_target()),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=256 * 2**20,
+        disable_log_stats=False,  # get_metrics() needs the stat loggers
+        structured_outputs_config=dict(STRUCTURED_OUTPUTS_CONFIG),
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def start_llm(model: str | os.PathLike | None = None, **overrides: Any):
+    """A real LLM on the tiny target (or `model`); no network."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    from vllm import LLM
+
+    return LLM(**engine_kwargs(model, **overrides))
+
+
+def stop_llm(llm: Any) -> None:
+    """Shut the engine core (and its processes) down now, not at GC time."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        del llm
+        gc.collect()
+
+
+def engine_core_probe(llm: Any) -> dict[str, Any]:
+    """The probe report from inside the engine-core process.
+
+    In-process engines without the probe patch (VLLM_PATCH_DISABLE=1) are
+    probed by calling `probe_report` directly on the EngineCore object; a
+    multiprocess engine without it raises ProbeUnavailable."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)  # InprocClient
+    if core is not None and not isinstance(core, (str, bytes)) and hasattr(core, "scheduler"):
+        method = getattr(core, PROBE_METHOD, None)
+        report = method() if method is not None else probe_report(core)
+        report["via"] = "in-process" + ("" if method is not None else " (direct)")
+        return report
+    try:
+        report = client.call_utility(PROBE_METHOD)
+    except Exception as exc:  # vLLM wraps the engine-side AttributeError
+        raise ProbeUnavailable(f"engine core has no {PROBE_METHOD}: {exc}") from exc
+    report["via"] = "utility call"
+    return report
+
+
+def _worker_report(worker: Any) -> dict[str, Any]:
+    from vllm_patch import envs, patching
+
+    runner = getattr(worker, "model_runner", None)
+    return {
+        "pid": os.getpid(),
+        "disabled": envs.settings().disable,
+        "outcomes": {n: o.state.value for n, o in patching.REGISTRY.outcomes.items()},
+        "use_async_scheduling": bool(getattr(runner, "use_async_scheduling", False)),
+    }
+
+
+def worker_probe(llm: Any) -> list[dict[str, Any]]:
+    """One report per worker (collective_rpc runs the function in each)."""
+    return llm.collective_rpc(_worker_report)
+
+
+def spec_decode_counts(llm: Any) -> dict[str, Any]:
+    """Cumulative spec-decode counters of this process's metrics registry;
+    subtract two snapshots to measure one phase."""
+    counts: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0,
+                              "per_pos": []}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            counts[names[metric.name]] += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            values = list(metric.values)
+            per = counts["per_pos"]
+            per.extend([0] * (len(values) - len(per)))
+            for i, v in enumerate(values):
+                per[i] += int(v)
+    return counts
+
+
+def counts_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    per = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0)
+           for i, a in enumerate(after["per_pos"])]
+    out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    out["per_pos"] = per
+    out["acceptance"] = out["accepted"] / out["draft_tokens"] if out["draft_tokens"] else 0.0
+    return out
+
+
+PROMPTS = [
+    '{"name":"alice","age":',
+    "yes no true false red green",
+    '{"name":"bob","ok":true,"city":"',
+    "abc-def_ghi.",
+]
+
+JSON_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
