@@ -11,6 +11,7 @@ bash "$repo/scripts/setup.sh" || { echo "set-up failed"; exit 1; }
 venv="${VLLM_PATCH_VENV:-$repo/.venv}"
 v033="${VLLM_PATCH_V033:-${VLLM_PATCH_CACHE:-$HOME/.cache/vllm-patch}/vllm-0.33.0}"
 py="$venv/bin/python"
+export PATH="$venv/bin:$PATH" VLLM_PATCH_V033="$v033"
 out="$repo/.test-results"
 rm -rf "$out" && mkdir -p "$out"
 cd "$repo"

@@ -17,13 +17,19 @@ from vllm_patch import conformance, envs, patching
 pytestmark = pytest.mark.unit
 
 FIXTURES = Path(__file__).parent / "conformance_fixtures"
-VLLM_033 = Path("/root/.cache/vllm-patch/vllm-0.33.0")
+VLLM_033 = Path(os.environ.get(
+    "VLLM_PATCH_V033", Path.home() / ".cache" / "vllm-patch" / "vllm-0.33.0"))
 IDS = ["G1", "G2", "G3", "G4"]
 
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
         ) -> subprocess.CompletedProcess:
-    exe = shutil.which("vllm-patch") or "vllm-patch"
+    # The installed console script, from the environment running the tests
+    # (its bin folder need not be on PATH: scripts/test.sh uses the venv's
+    # python directly).
+    exe = (shutil.which("vllm-patch", path=os.path.dirname(sys.executable))
+           or shutil.which("vllm-patch"))
+    assert exe, "the vllm-patch console script is not installed"
     full = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **(env or {})}
     return subprocess.run([exe, *args], env=full, text=True, capture_output=True,
                           timeout=timeout)

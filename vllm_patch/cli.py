@@ -38,6 +38,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{row['guarantee']:<4} {row['status']:<13} {row['text']}")
         if row["reason"]:
             print(f"{'':<18}({row['reason']})")
+        for limit in row.get("limits", ()):
+            print(f"{'':<18}limit: {limit}")
         for p in row["patches"]:
             print(f"{'':<18}- {p['name']}: {p['state']}"
                   + (f" ({p['detail']})" if p["detail"] else ""))
