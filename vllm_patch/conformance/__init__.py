@@ -29,6 +29,7 @@ GUARANTEE_IDS: tuple[str, ...] = ("G1", "G2", "G3", "G4")
 # listed module that cannot be imported is an error of the run (reported,
 # and `vllm-patch verify` exits non-zero), never silently ignored.
 SCENARIO_MODULES: tuple[str, ...] = (
+    "vllm_patch.conformance.g1",
     "vllm_patch.conformance.g2",
     "vllm_patch.conformance.g3",
 )

@@ -61,6 +61,13 @@ class StepRecord:
     bitmask_rows: dict[str, np.ndarray] | None
     num_acceptable_drafts: dict[str, int] | None
     sampled: dict[str, list[int]] = field(default_factory=dict)
+    # Engine-loop emulation (engine_setup/engine_step) only:
+    # req_id -> the tokens the worker had for it when the step was launched
+    # (its output so far as the model saw it: earlier steps' samples, applied
+    # or not), for every request that samples in the step.
+    ctx: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the drafts the drafter proposed that this step verifies.
+    raw_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class Harness:
@@ -434,6 +441,180 @@ class Harness:
         self._grammar(so)
         self.run_model(so, sampled, logprobs)
         return so._vllm_patch_record
+
+    # ------------------------------------------------- engine loop emulation
+    def engine_setup(self, depth: int = 1, sampler: Any = None,
+                     drafter: Any = None) -> None:
+        """Emulate EngineCore's loop: depth 1 = `EngineCore.step` (+
+        `post_step`), depth > 1 = `step_with_batch_queue` with a batch queue
+        of that size (sync or async scheduler, as built). The fake worker
+        samples when EngineCore calls `sample_tokens` (immediately, or
+        deferred for pending structured output), from the bitmask rows it
+        was given:
+
+        - `sampler(h, req_id, ctx, rows, spec_tokens) -> list[int]`: tokens
+          returned (accepted drafts + bonus); `ctx` is what the worker has
+          for the request (all earlier launched steps' samples), `rows` the
+          request's bitmask rows or None.
+        - `drafter(h, req_id, ctx) -> list[int]`: drafts proposed after the
+          request's newest sampled step (taken as EngineCore does: async in
+          the deferred branch, sync in post_step).
+        """
+        self.engine_depth = depth
+        self.batch_queue: deque[Any] = deque()
+        self.sampler = sampler
+        self.drafter = drafter
+        self.worker_ctx: dict[str, list[int]] = {}
+        self._ctx_mark: dict[str, Any] = {}
+        self._ctx_resets: dict[str, int] = {}
+        self._raw_drafts: dict[str, list[int]] = {}
+        self._last_sampled: Any = None
+        # id(scheduler output) -> block ids reported as failed KV loads
+        self._kv_fail: dict[int, set[int]] = {}
+
+    def fail_kv_load(self, so: Any, block_ids: Any,
+                     recompute: Any = ()) -> None:
+        """Report `block_ids` as failed KV loads in `so`'s runner output;
+        the worker rebuilds the `recompute` requests from the scheduler's
+        tokens for the steps launched after that output is processed."""
+        self._kv_fail[id(so)] = (set(block_ids), list(recompute))
+
+    def reset_worker_ctx(self, rid: str) -> None:
+        """The worker rebuilds `rid` from the scheduler's tokens for steps
+        launched from now on (recompute after a KV-load failure)."""
+        self._ctx_resets[rid] = self._ctx_resets.get(rid, 0) + 1
+
+    def _engine_launch(self, so: Any) -> None:
+        rec: StepRecord = so._vllm_patch_record
+        samples = []
+        for rid in so.num_scheduled_tokens:
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            mark = (req.num_preemptions, self._ctx_resets.get(rid, 0))
+            if self._ctx_mark.get(rid) != mark or rid not in self.worker_ctx:
+                self.worker_ctx[rid] = list(req.output_token_ids)
+                self._ctx_mark[rid] = mark
+            if not req.is_prefill_chunk:
+                samples.append(rid)
+                rec.ctx[rid] = list(self.worker_ctx[rid])
+                spec = so.scheduled_spec_decode_tokens.get(rid)
+                if spec and rid in self._raw_drafts and \
+                        not self.async_scheduling:
+                    rec.raw_drafts[rid] = self._raw_drafts.pop(rid)
+        so._vllm_patch_samples = samples  # type: ignore[attr-defined]
+
+    def _engine_sample(self, so: Any) -> None:
+        self._grammar(so)
+        rec: StepRecord = so._vllm_patch_record
+        out: dict[str, list[int]] = {}
+        for rid in so._vllm_patch_samples:
+            rows = rec.bitmask_rows.get(rid) if rec.bitmask_rows else None
+            spec = list(so.scheduled_spec_decode_tokens.get(rid, ()))
+            toks = list(self.sampler(self, rid, rec.ctx[rid], rows, spec))
+            out[rid] = toks
+            self.worker_ctx.setdefault(rid, []).extend(toks)
+        rec.sampled = out
+        self._last_sampled = so
+
+    def _engine_apply(self, so: Any) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = so._vllm_patch_record.sampled
+        kv = None
+        failed, recompute = self._kv_fail.pop(id(so), (None, ()))
+        if failed:
+            kv = KVConnectorOutput(invalid_block_ids=failed)
+        out = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[list(sampled.get(r, [])) for r in req_ids],
+            kv_connector_output=kv,
+        )
+        self._collect(self.scheduler.update_from_output(so, out))
+        for rid in recompute:
+            self.reset_worker_ctx(rid)
+
+    def _engine_drafts(self) -> Any:
+        from vllm.v1.outputs import DraftTokenIds
+
+        last = self._last_sampled
+        if self.drafter is None or last is None:
+            return None
+        ids = [r for r in last._vllm_patch_samples
+               if r in self.scheduler.requests]
+        raw = {r: list(self.drafter(self, r, list(self.worker_ctx.get(r, []))))
+               for r in ids}
+        return DraftTokenIds(ids, [raw[r] for r in ids]), raw
+
+    def engine_step(self) -> bool:
+        """One EngineCore step (+ post_step). Returns model_executed."""
+        sched = self.scheduler
+        executed = False
+        if self.engine_depth <= 1:
+            if not sched.has_requests():
+                return False
+            so = self.schedule()
+            self._engine_launch(so)
+            self._engine_sample(so)
+            self._engine_apply(so)
+            executed = so.total_num_scheduled_tokens > 0
+        else:
+            executed = self._engine_step_queue()
+        if not self.async_scheduling and executed and self.num_spec_tokens:
+            got = self._engine_drafts()  # post_step
+            if got is not None:
+                dt, raw = got
+                self._raw_drafts.update({r: d for r, d in raw.items() if d})
+                sched.update_draft_token_ids(dt)
+        return executed
+
+    def _engine_step_queue(self) -> bool:
+        sched = self.scheduler
+        q = self.batch_queue
+        deferred = None
+        executed = False
+        if sched.has_requests():
+            so = self.schedule()
+            self._engine_launch(so)
+            executed = so.total_num_scheduled_tokens > 0
+            if executed:
+                if not so.pending_structured_output_tokens:
+                    self._engine_sample(so)
+                else:
+                    deferred = so
+            else:
+                so._vllm_patch_record.sampled = {}
+            if deferred is None:
+                q.appendleft(so)
+                if len(q) < self.engine_depth and (executed or sched.has_requests()):
+                    return executed
+        elif not q:
+            return False
+        self._engine_apply(q.pop())
+        if deferred is not None:
+            if self.num_spec_tokens:
+                got = self._engine_drafts()
+                if got is not None:
+                    dt, raw = got
+                    sched.update_draft_token_ids_in_output(dt, deferred)
+                    rec = deferred._vllm_patch_record
+                    rec.spec_tokens = {k: list(v) for k, v in
+                                       deferred.scheduled_spec_decode_tokens.items()}
+                    for r in rec.spec_tokens:
+                        if r in raw:
+                            rec.raw_drafts[r] = raw[r]
+            self._engine_sample(deferred)
+            q.appendleft(deferred)
+        return executed
+
+    def engine_drain(self, max_steps: int = 200) -> None:
+        """Run engine steps until nothing is in flight or scheduled."""
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self.batch_queue:
+                return
+            self.engine_step()
 
     # ---------------------------------------------------------------- reading
     def emitted(self, rid: str) -> Emitted:

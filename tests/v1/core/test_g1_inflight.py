@@ -1,0 +1,130 @@
+"""G1: grammar state is current when it is used (scheduler tier).
+
+Every scenario of vllm_patch.conformance.g1 emulates EngineCore's loop with
+a queue of in-flight scheduler outputs against the real scheduler and checks
+every bitmask row / validated draft list against a reference grammar.
+Patched, G1 must hold; stock (VLLM_PATCH_DISABLE=1), the gap scenarios must
+show the stale case and the controls must hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_patch.conformance import g1
+from vllm_patch.patching import version_series, vllm_version
+
+pytestmark = pytest.mark.scheduler
+
+SERIES = version_series(vllm_version())
+
+
+@pytest.mark.parametrize("scenario", g1.SCENARIOS, ids=lambda s: s.name)
+def test_g1_scenario(scenario, patched):
+    if SERIES not in scenario.series:
+        pytest.skip(f"scenario is for vLLM {scenario.series}")
+    violations = scenario.run()
+    if patched or not scenario.stock_fails:
+        assert violations == []
+    else:
+        assert violations != [], "stock vLLM unexpectedly holds G1 here"
+
+
+def _normal_async_run(spec: int):
+    """Async, batch queue 2: every bitmask row, scheduled set and draft list."""
+    h = g1._h(async_scheduling=True, num_spec_tokens=spec)  # noqa: SLF001
+    h.engine_setup(2, g1.sampler, g1.drafter if spec else None)
+    plain = h.add_request([h.tok(c) for c in "xyzx"], max_tokens=10)
+    h.engine_step()
+    rids = g1._add(h, 3)  # noqa: SLF001
+    for _ in range(14):
+        h.engine_step()
+    h.engine_drain()
+    out = []
+    for rec in h.steps:
+        rows = {r: np.asarray(v).tobytes() for r, v in (rec.bitmask_rows or {}).items()}
+        out.append((rec.scheduled, rec.spec_tokens, rows, rec.sampled,
+                    rec.num_acceptable_drafts))
+    out.append([list(h.request(r).output_token_ids) for r in rids + [plain]])
+    return out
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_normal_async_identical_to_stock(patched, spec):
+    """The stock-correct path (async, queue 2) is bit-identical to stock."""
+    import vllm_patch
+    from vllm_patch import patching
+    from vllm_patch.v1.core.sched import inflight
+
+    before = dict(inflight.COUNTS)
+    with_patches = _normal_async_run(spec)
+    if not patched:
+        return
+    assert inflight.COUNTS == before, "the mechanism corrected something"
+    # Only G1's patches: G2/G3 change rows after -1 drafts on purpose.
+    for p in inflight.PATCHES:
+        patching.revert_patch(p.name)
+    try:
+        stock = _normal_async_run(spec)
+    finally:
+        vllm_patch.register()
+    assert with_patches == stock
+
+
+def test_counts_and_strict(patched, monkeypatch):
+    """Default: corrected and counted; VLLM_PATCH_STRICT=1: raises."""
+    if not patched:
+        pytest.skip("patched only")
+    from vllm_patch.v1.core.sched import inflight
+
+    run = g1.async_queue(3, stagger=1)
+    assert run() == []
+    h_counts = dict(inflight.COUNTS)
+    assert h_counts[inflight.GATE] > 0
+    monkeypatch.setenv("VLLM_PATCH_STRICT", "1")
+    with pytest.raises(inflight.StaleGrammarError):
+        run()
+    with pytest.raises(inflight.StaleGrammarError):
+        g1.sync_batch_queue_drafts()
+
+
+def test_unapplied_steps_tracking(patched):
+    """The per-request count follows launches, processing and aborts."""
+    if not patched:
+        pytest.skip("patched only")
+    from vllm.v1.request import RequestStatus
+
+    from vllm_patch.v1.core.sched import inflight
+
+    h = g1._h(async_scheduling=True)  # noqa: SLF001
+    h.scheduler.use_v2_model_runner = True
+    h.scheduler.decode_stagger = 2
+    h.engine_setup(3, g1.sampler)
+    (rid,) = g1._add(h, 1)  # noqa: SLF001
+    h.engine_step()
+    assert inflight.unapplied_steps(h.scheduler, rid) == 1
+    h.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+    assert inflight.unapplied_steps(h.scheduler, rid) == 0
+    h.engine_drain()
+    assert not inflight.state(h.scheduler).fifo
+
+
+def test_bitmask_check_corrects_when_gate_bypassed(patched):
+    """Defense in depth: with the schedule gate removed (as a custom
+    scheduler that bypasses it would), the bitmask check preempts the lagging
+    request in drop mode instead of building a stale row."""
+    if not patched:
+        pytest.skip("patched only")
+    import vllm_patch
+    from vllm_patch import patching
+    from vllm_patch.v1.core.sched import inflight
+
+    before = inflight.COUNTS[inflight.BITMASK]
+    patching.revert_patch("g1-gate-schedule")
+    try:
+        violations = g1.async_queue(3, stagger=1)()
+    finally:
+        vllm_patch.register()
+    assert violations == []
+    assert inflight.COUNTS[inflight.BITMASK] > before

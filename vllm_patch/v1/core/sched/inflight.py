@@ -1,0 +1,569 @@
+"""G1 for vllm.v1.core.sched.scheduler: grammar state is current when it is used.
+
+One mechanism: the scheduler keeps a FIFO of its launched-but-unprocessed
+steps (one entry per `SchedulerOutput`, pushed by `_update_after_schedule`,
+popped by `update_from_output`; EngineCore processes every output exactly
+once, oldest first, in `step` and `step_with_batch_queue`). Each entry holds
+the ids of the structured-output requests whose grammar that step will
+advance (scheduled, not a prefill chunk). So, per request, the scheduler
+knows which launched steps are not yet applied to its grammar
+(`unapplied_steps()`; their number is the per-request count).
+
+The invariant, checked at every point where stock uses grammar state:
+
+- schedule: a structured request may join a new step only if every earlier
+  step of it will be applied before this step's bitmask is built: none may
+  be in flight (sync `Scheduler`: the bitmask is built right after
+  `schedule()`), or only the oldest in-flight step (`AsyncScheduler`: the
+  step is then marked `pending_structured_output_tokens`, so EngineCore
+  defers sampling until that one batch is processed - what stock does at
+  batch queue 2). A request that would violate it is not scheduled this step
+  (gap 1: decode stagger below the pipeline depth), via the stock
+  `next_decode_eligible_step` skip, for one `schedule()` call.
+- `get_grammar_bitmask`: no row for a request that still has an earlier
+  unapplied step (only reachable if something bypassed the gate: a custom
+  scheduler/engine loop); corrected by preempting it in drop mode (its
+  in-flight outputs are discarded, it recomputes from committed tokens) and
+  leaving it out of this bitmask. Rows are also left out for steps whose
+  output is already known to be discarded (drop mode).
+- draft validation: `update_draft_token_ids` (sync `post_step`; with a
+  batch queue it runs before the newest batch is processed: gap 2) stashes
+  the drafts of a request with an unapplied step instead of validating them
+  against a stale grammar (which also stops the premature reschedule); they
+  are validated by the stock method at the first `schedule()` after the
+  step is applied. `update_draft_token_ids_in_output` (async) leaves the
+  placeholders of such a request at -1 (no acceptable drafts).
+- outputs that will never reach the grammar are removed from the FIFO:
+  preemption in drop mode (incl. `reset_prefix_cache`), resumable stops,
+  finished/aborted requests, and KV-load failures with the `recompute`
+  policy under async scheduling (gap C): stock skips the failed step but
+  leaves the request's later in-flight steps live (their token was sampled
+  after the discarded one, from a grammar that never saw it) and its
+  placeholders too high; the patch marks those later outputs drop-mode stale
+  (as `_preempt_request` does), zeroes the placeholders and truncates
+  `num_computed_tokens` to the tokens before the first in-flight step.
+
+Every correction is counted (`stats()`, `COUNTS`) and logged (rate-limited,
+one line per kind per 10 s). `VLLM_PATCH_STRICT=1` raises `StaleGrammarError`
+instead of correcting. Fast paths: with no in-flight step older than the one
+at hand (sync without batch queue, async at batch queue 2) every check is a
+length test or one set intersection; bitmasks, schedules and drafts are
+identical to stock there.
+
+Gap 3 (PP + async + spec: drafts of the wrong batch) is worker-side (the
+runner keeps one draft slot); not handled here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from vllm_patch import envs
+from vllm_patch.patching import Patch
+
+logger = logging.getLogger("vllm_patch")
+
+_STATE_ATTR = "_vllm_patch_g1"
+_EMPTY: frozenset = frozenset()
+# More unprocessed steps than any pipeline: update_from_output is not tracked
+# (patch skipped or reverted); stop tracking rather than gate forever.
+_MAX_DEPTH = 64
+_LOG_INTERVAL_S = 10.0
+
+# Kinds of stale-grammar use that were corrected (process-wide totals).
+GATE = "schedule"            # would join a step before its earlier step applies
+BITMASK = "bitmask"          # bitmask requested while an earlier step unapplied
+DRAFTS_SYNC = "drafts-sync"  # update_draft_token_ids before the step applied
+DRAFTS_ASYNC = "drafts-async"
+KV_RECOMPUTE = "kv-recompute"
+KINDS = (GATE, BITMASK, DRAFTS_SYNC, DRAFTS_ASYNC, KV_RECOMPUTE)
+COUNTS: dict[str, int] = dict.fromkeys(KINDS, 0)
+_last_log: dict[str, float] = {}
+
+
+class StaleGrammarError(RuntimeError):
+    """Grammar state would be used before every launched step applied to it
+    (raised instead of corrected under VLLM_PATCH_STRICT=1)."""
+
+
+class _Entry:
+    __slots__ = ("so_id", "live", "doomed")
+
+    def __init__(self, so_id: int, live: Any) -> None:
+        self.so_id = so_id
+        # Structured requests whose grammar this step will advance.
+        self.live = live
+        # Structured requests sampled in this step whose output is discarded.
+        self.doomed: set | None = None
+
+
+class G1State:
+    __slots__ = ("fifo", "stash", "is_async", "counts")
+
+    def __init__(self, scheduler: Any) -> None:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        self.fifo: deque[_Entry] = deque()
+        # req_id -> drafts held back until the request's steps are applied.
+        self.stash: dict[str, list[int]] = {}
+        self.is_async = isinstance(scheduler, AsyncScheduler)
+        self.counts: dict[str, int] = dict.fromkeys(KINDS, 0)
+
+    def find(self, so_id: int) -> int:
+        for i, e in enumerate(self.fifo):
+            if e.so_id == so_id:
+                return i
+        return -1
+
+    def blocked(self) -> set:
+        """Requests that may not join the next step."""
+        entries = list(self.fifo)[1:] if self.is_async else self.fifo
+        out: set = set()
+        for e in entries:
+            out |= e.live
+        return out
+
+    def older_live(self, index: int) -> set:
+        out: set = set()
+        for i in range(index):
+            out |= self.fifo[i].live
+        return out
+
+    def unapplied(self, req_id: str) -> int:
+        return sum(1 for e in self.fifo if req_id in e.live)
+
+    def drop(self, req_id: str, doom: bool) -> None:
+        """`req_id`'s in-flight outputs will not reach its grammar."""
+        self.stash.pop(req_id, None)
+        for e in self.fifo:
+            if req_id in e.live:
+                e.live = set(e.live)
+                e.live.discard(req_id)
+                if doom:
+                    if e.doomed is None:
+                        e.doomed = set()
+                    e.doomed.add(req_id)
+
+
+def state(scheduler: Any) -> G1State:
+    st = scheduler.__dict__.get(_STATE_ATTR)
+    if st is None:
+        st = scheduler.__dict__[_STATE_ATTR] = G1State(scheduler)
+    return st
+
+
+def stats(scheduler: Any) -> dict[str, int]:
+    """Corrections made for this scheduler, by kind."""
+    return dict(state(scheduler).counts)
+
+
+def unapplied_steps(scheduler: Any, req_id: str) -> int:
+    """Launched steps of `req_id` not yet applied to its grammar."""
+    return state(scheduler).unapplied(req_id)
+
+
+def _stale(st: G1State, kind: str, req_ids: Any, what: str) -> None:
+    """Count one corrected stale use (or raise in strict mode)."""
+    n = len(req_ids)
+    if envs.settings().strict:
+        raise StaleGrammarError(
+            f"vllm_patch G1: {what} for request(s) {sorted(req_ids)[:8]} with a "
+            f"launched step not yet applied to the grammar [VLLM_PATCH_STRICT=1]")
+    st.counts[kind] += n
+    COUNTS[kind] += n
+    now = time.monotonic()
+    if now - _last_log.get(kind, -1e9) >= _LOG_INTERVAL_S:
+        _last_log[kind] = now
+        logger.warning(
+            "vllm_patch G1: %s for %d request(s) (e.g. %s) with a launched step "
+            "not yet applied to the grammar; corrected (%s total: %d)",
+            what, n, next(iter(req_ids)), kind, COUNTS[kind])
+
+
+# ------------------------------------------------------------------ tracking
+def _make_after_schedule(original):
+    def _update_after_schedule(self, scheduler_output):
+        original(self, scheduler_output)
+        st = state(self)
+        live = _EMPTY
+        if scheduler_output.has_structured_output_requests:
+            reqs = self.requests
+            live = {rid for rid in scheduler_output.num_scheduled_tokens
+                    if not (r := reqs[rid]).is_prefill_chunk
+                    and r.structured_output_request is not None}
+        fifo = st.fifo
+        if fifo and live and st.is_async and \
+                not scheduler_output.pending_structured_output_tokens and \
+                not live.isdisjoint(fifo[0].live):
+            # Defer sampling until the oldest step is processed (stock sets
+            # this from num_output_placeholders, which preemption zeroes).
+            scheduler_output.pending_structured_output_tokens = True
+        if len(fifo) >= _MAX_DEPTH:
+            fifo.clear()
+            logger.warning("vllm_patch G1: %d unprocessed steps; "
+                           "update_from_output is not tracked, tracking reset",
+                           _MAX_DEPTH)
+        fifo.append(_Entry(id(scheduler_output), live))
+
+    return _update_after_schedule
+
+
+def _make_update_from_output(original):
+    def update_from_output(self, scheduler_output, model_runner_output):
+        st = self.__dict__.get(_STATE_ATTR)
+        if st is not None and st.fifo:
+            fifo = st.fifo
+            if fifo[0].so_id == id(scheduler_output):
+                fifo.popleft()
+            else:
+                i = st.find(id(scheduler_output))
+                if i >= 0:
+                    del fifo[i]
+        return original(self, scheduler_output, model_runner_output)
+
+    return update_from_output
+
+
+# ---------------------------------------------------------------------- gate
+def _would_schedule(self, request) -> bool:
+    """Would stock's running loop give `request` tokens in the next step?"""
+    try:
+        if (request.num_output_placeholders > 0
+                and request.num_computed_tokens + 2 - request.num_output_placeholders
+                >= request.num_prompt_tokens + request.max_tokens):
+            return False
+        if self.current_step + 1 < request.next_decode_eligible_step:
+            return False
+    except AttributeError:
+        pass
+    return (request.num_tokens_with_spec + request.num_output_placeholders
+            > request.num_computed_tokens)
+
+
+def _apply_stash(self, st: G1State, update_drafts) -> None:
+    from vllm.v1.outputs import DraftTokenIds
+
+    ready = [rid for rid in st.stash if not any(rid in e.live for e in st.fifo)]
+    if not ready:
+        return
+    drafts = [st.stash.pop(rid) for rid in ready]
+    live = [(r, d) for r, d in zip(ready, drafts)
+            if (q := self.requests.get(r)) is not None and not q.is_finished()]
+    if live:
+        update_drafts(self, DraftTokenIds([r for r, _ in live],
+                                          [d for _, d in live]))
+
+
+def _make_schedule(original):
+    def schedule(self, throttle_prefills=False):
+        st = self.__dict__.get(_STATE_ATTR)
+        if st is None or not st.fifo or (st.is_async and len(st.fifo) == 1
+                                          and not st.stash):
+            return original(self, throttle_prefills)
+        if st.stash:
+            _apply_stash(self, st, type(self).update_draft_token_ids)
+        blocked = st.blocked()
+        if not blocked:
+            return original(self, throttle_prefills)
+        from vllm.v1.request import RequestStatus
+
+        gated = []
+        attempts = []
+        hold = self.current_step + 2  # schedule() skips while current_step < hold
+        for rid in blocked:
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            if _would_schedule(self, req):
+                attempts.append(rid)
+            prev = req.next_decode_eligible_step
+            if prev < hold:
+                gated.append((req, prev))
+                req.next_decode_eligible_step = hold
+        try:
+            if attempts:
+                _stale(st, GATE, attempts,
+                       "scheduling a step whose bitmask would precede an "
+                       "earlier step's output")
+            return original(self, throttle_prefills)
+        finally:
+            for req, prev in gated:
+                if req.next_decode_eligible_step == hold:
+                    req.next_decode_eligible_step = prev
+
+    return schedule
+
+
+# ------------------------------------------------------------------- bitmask
+def _make_bitmask(original):
+    def get_grammar_bitmask(self, scheduler_output):
+        st = self.__dict__.get(_STATE_ATTR)
+        if st is None or not scheduler_output.has_structured_output_requests:
+            return original(self, scheduler_output)
+        i = st.find(id(scheduler_output))
+        if i < 0:
+            return original(self, scheduler_output)
+        entry = st.fifo[i]
+        stale = entry.live & st.older_live(i) if i else _EMPTY
+        if stale:
+            _stale(st, BITMASK, stale, "grammar bitmask requested")
+            _drop_requests(self, st, stale)
+        if not entry.doomed:
+            return original(self, scheduler_output)
+        # Leave out rows whose sampled output will be discarded: nothing is
+        # built from a grammar state that does not match the step's inputs.
+        hidden = []
+        for rid in entry.doomed:
+            req = self.requests.get(rid)
+            if req is not None and not req.is_prefill_chunk:
+                req.is_prefill_chunk = True
+                hidden.append(req)
+        try:
+            return original(self, scheduler_output)
+        finally:
+            for req in hidden:
+                req.is_prefill_chunk = False
+
+    return get_grammar_bitmask
+
+
+def _drop_requests(self, st: G1State, req_ids: Any) -> None:
+    """Discard every in-flight output of `req_ids` (drop-mode preemption):
+    they recompute from their committed tokens."""
+    from vllm.v1.request import RequestStatus
+
+    now = time.monotonic()
+    for rid in list(req_ids):
+        req = self.requests.get(rid)
+        if req is None:
+            continue
+        if req.status == RequestStatus.RUNNING:
+            try:
+                self.running.remove(req)
+            except ValueError:
+                pass
+            self._preempt_request(req, now, drop_stale_output=True)
+        else:
+            req.drop_stale_output = True
+            req.num_stale_output_tokens = req.num_in_flight_tokens
+        st.drop(rid, doom=True)
+
+
+# -------------------------------------------------------------------- drafts
+def _make_update_drafts(original):
+    def update_draft_token_ids(self, draft_token_ids):
+        st = self.__dict__.get(_STATE_ATTR)
+        if st is None or not st.fifo:
+            if st is not None and st.stash:
+                for rid in draft_token_ids.req_ids:
+                    st.stash.pop(rid, None)
+            return original(self, draft_token_ids)
+        unapplied: set = set()
+        for e in st.fifo:
+            unapplied |= e.live
+        ids = draft_token_ids.req_ids
+        if unapplied.isdisjoint(ids):
+            for rid in ids:
+                st.stash.pop(rid, None)
+            return original(self, draft_token_ids)
+        from vllm.v1.outputs import DraftTokenIds
+
+        keep_ids, keep = [], []
+        held = []
+        for rid, drafts in zip(ids, draft_token_ids.draft_token_ids):
+            if rid in unapplied:
+                if len(drafts):
+                    held.append(rid)
+                    st.stash[rid] = list(drafts)
+                else:
+                    st.stash.pop(rid, None)
+            else:
+                st.stash.pop(rid, None)
+                keep_ids.append(rid)
+                keep.append(drafts)
+        if held:
+            _stale(st, DRAFTS_SYNC, held,
+                   "draft validation (held until the step is applied)")
+        return original(self, DraftTokenIds(keep_ids, keep))
+
+    return update_draft_token_ids
+
+
+def _make_update_drafts_in_output(original):
+    def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output):
+        st = self.__dict__.get(_STATE_ATTR)
+        i = -1 if st is None else st.find(id(scheduler_output))
+        if i <= 0:
+            return original(self, draft_token_ids, scheduler_output)
+        entry = st.fifo[i]
+        stale = entry.live & st.older_live(i)
+        if entry.doomed:
+            stale = stale | entry.doomed
+        stale &= set(draft_token_ids.req_ids)
+        if not stale:
+            return original(self, draft_token_ids, scheduler_output)
+        from vllm.v1.outputs import DraftTokenIds
+
+        if entry.live & stale:
+            _stale(st, DRAFTS_ASYNC, entry.live & stale,
+                   "draft validation (drafts left invalid)")
+        pairs = [(r, d) for r, d in zip(draft_token_ids.req_ids,
+                                        draft_token_ids.draft_token_ids)
+                 if r not in stale]
+        return original(self, DraftTokenIds([r for r, _ in pairs],
+                                            [d for _, d in pairs]),
+                        scheduler_output)
+
+    return update_draft_token_ids_in_output
+
+
+# ------------------------------------------------ outputs that never apply
+def _make_preempt(original):
+    def _preempt_request(self, request, timestamp, drop_stale_output=False):
+        original(self, request, timestamp, drop_stale_output)
+        st = self.__dict__.get(_STATE_ATTR)
+        if st is not None:
+            st.stash.pop(request.request_id, None)
+            if request.drop_stale_output and st.fifo:
+                st.drop(request.request_id, doom=True)
+
+    return _preempt_request
+
+
+def _make_stopped(original):
+    def _handle_stopped_request(self, request):
+        finished = original(self, request)
+        st = self.__dict__.get(_STATE_ATTR)
+        if st is not None and (st.fifo or st.stash):
+            st.drop(request.request_id, doom=request.drop_stale_output)
+        return finished
+
+    return _handle_stopped_request
+
+
+def _make_free(original):
+    def _free_request(self, request, delay_free_blocks=False):
+        st = self.__dict__.get(_STATE_ATTR)
+        if st is not None and (st.fifo or st.stash):
+            st.drop(request.request_id, doom=False)
+        return original(self, request, delay_free_blocks)
+
+    return _free_request
+
+
+def _make_invalid_blocks(original):
+    def _handle_invalid_blocks(self, invalid_block_ids, num_scheduled_tokens):
+        # Running requests with a later step in flight than this one.
+        later = {}
+        for req in self.running:
+            if req.num_in_flight_tokens > num_scheduled_tokens.get(req.request_id, 0):
+                later[req.request_id] = req.num_computed_tokens
+        affected = original(self, invalid_block_ids, num_scheduled_tokens)
+        if not later or not affected or not self.recompute_kv_load_failures:
+            return affected
+        st = state(self)
+        fixed = []
+        for rid in affected:
+            if rid not in later:
+                continue
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            fixed.append(rid)
+            # Valid KV ends before the first in-flight step at the latest.
+            req.num_computed_tokens = min(
+                req.num_computed_tokens, later[rid] - req.num_in_flight_tokens)
+            # The later steps ran on the discarded token: drop their output
+            # (drained in lockstep, as after a drop-mode preemption).
+            req.num_stale_output_tokens = req.num_in_flight_tokens
+            req.drop_stale_output = True
+            req.num_output_placeholders = 0
+            if req.spec_token_ids:
+                req.spec_token_ids = []
+            st.drop(rid, doom=True)
+        if fixed:
+            _stale(st, KV_RECOMPUTE, fixed,
+                   "KV-load recompute with later steps in flight (their "
+                   "outputs discarded)")
+        return affected
+
+    return _handle_invalid_blocks
+
+
+# ------------------------------------------------------------------- records
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler."
+_UP = ("SGLang PR #24082 (process the previous result before the next grammar "
+       "batch); vLLM #45014/#45015/#56250 (PP + async + grammar)")
+_WHEN = ("vLLM tracks unapplied steps per request itself and gates bitmask "
+         "building / draft validation on them")
+_BOTH = ("0.32", "0.33")
+
+
+def _patch(name: str, attr: str, sig: tuple[str, ...], make, why: str,
+           how: str) -> Patch:
+    return Patch(name=name, guarantee="G1", target=_SCHED + attr, versions=_BOTH,
+                 signature=("self",) + sig, make=make, why=why, how=how,
+                 upstream=_UP, remove_when=_WHEN)
+
+
+PATCHES: list[Patch] = [
+    _patch("g1-track-launched", "_update_after_schedule", ("scheduler_output",),
+           _make_after_schedule,
+           "stock knows only num_output_placeholders, not which launched "
+           "steps of a request are unapplied",
+           "push one FIFO entry per step with the structured requests it "
+           "advances; async: mark the step pending if one of them is in the "
+           "oldest in-flight step"),
+    _patch("g1-track-applied", "update_from_output",
+           ("scheduler_output", "model_runner_output"),
+           _make_update_from_output,
+           "the FIFO entry of a processed step must go",
+           "pop the step's FIFO entry before the stock update"),
+    _patch("g1-gate-schedule", "schedule", ("throttle_prefills",),
+           _make_schedule,
+           "gap 1: with a decode stagger below the pipeline depth a request "
+           "joins a step whose deferred bitmask precedes its previous step's "
+           "output; gap 2: a request rescheduled while in flight",
+           "for one schedule() call, hold back (next_decode_eligible_step) "
+           "structured requests with an unapplied step other than the oldest "
+           "(async) / any (sync); validate stashed drafts first"),
+    _patch("g1-bitmask-check", "get_grammar_bitmask", ("scheduler_output",),
+           _make_bitmask,
+           "defense in depth: a bitmask from a grammar missing a launched step",
+           "requests with an earlier unapplied step are preempted in drop mode "
+           "and left out; rows of discarded outputs are left out"),
+    _patch("g1-drafts-sync", "update_draft_token_ids", ("draft_token_ids",),
+           _make_update_drafts,
+           "gap 2: post_step validates the newest batch's drafts before that "
+           "batch is applied (stale validation, premature reschedule)",
+           "stash the drafts of requests with an unapplied step; validate at "
+           "the first schedule() after it is applied"),
+    _patch("g1-drafts-async", "update_draft_token_ids_in_output",
+           ("draft_token_ids", "scheduler_output"),
+           _make_update_drafts_in_output,
+           "deferred draft validation must not run on a lagging grammar",
+           "leave the placeholders of such requests at -1"),
+    _patch("g1-preempt-drop", "_preempt_request",
+           ("request", "timestamp", "drop_stale_output"), _make_preempt,
+           "drop-mode in-flight outputs never reach the grammar",
+           "remove the request from the FIFO (drop mode) and its stash"),
+    _patch("g1-stopped-drop", "_handle_stopped_request", ("request",),
+           _make_stopped,
+           "a resumable stop drops the turn's in-flight outputs",
+           "remove the request from the FIFO"),
+    _patch("g1-free", "_free_request", ("request", "delay_free_blocks"),
+           _make_free,
+           "finished/aborted requests never apply their in-flight outputs",
+           "remove the request from the FIFO and its stash"),
+    _patch("g1-kv-recompute", "_handle_invalid_blocks",
+           ("invalid_block_ids", "num_scheduled_tokens"), _make_invalid_blocks,
+           "gap C: with kv_load_failure_policy=recompute under async "
+           "scheduling stock keeps the later in-flight steps (sampled after "
+           "the discarded token) and leaves num_output_placeholders too high",
+           "mark the later in-flight outputs drop-mode stale, zero the "
+           "placeholders, truncate num_computed_tokens before the first "
+           "in-flight step, remove the request from the FIFO"),
+]
