@@ -24,6 +24,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_patch.v1.metrics.stats",
     "vllm_patch.v1.structured_output",
     "vllm_patch.v1.worker.gpu_model_runner",
+    "vllm_patch.v1.core.sched.invariants",
 )
 
 logger = logging.getLogger("vllm_patch")

@@ -45,6 +45,8 @@ class Settings:
     stop_on_grammar_termination: bool
     # Runtime invariant checker (issue 8); off by default in serving.
     check_invariants: bool
+    # Tests: an invariant violation raises instead of being logged/counted.
+    invariants_raise: bool
     # TEST ONLY: keep async scheduling on the CPU platform, which silently
     # turns it off. Never set this in production.
     test_force_async_scheduling: bool
@@ -58,6 +60,9 @@ ENV_VARS: dict[str, str] = {
         "0 restores stock termination (grammar end is not a stop condition)"
     ),
     "VLLM_PATCH_CHECK_INVARIANTS": "1 turns on the runtime invariant checker",
+    "VLLM_PATCH_INVARIANTS_RAISE": (
+        "1 makes an invariant violation raise (tests) instead of log + count"
+    ),
     "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING": (
         "TEST ONLY: keep async scheduling on the CPU platform"
     ),
@@ -73,6 +78,7 @@ def settings() -> Settings:
             "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", True
         ),
         check_invariants=_flag("VLLM_PATCH_CHECK_INVARIANTS", False),
+        invariants_raise=_flag("VLLM_PATCH_INVARIANTS_RAISE", False),
         test_force_async_scheduling=_flag(
             "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", False
         ),

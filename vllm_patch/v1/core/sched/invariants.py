@@ -1,0 +1,518 @@
+"""Runtime invariant checker for the v1 scheduler (issue 8).
+
+`VLLM_PATCH_CHECK_INVARIANTS=1` applies two opt-in patches (nothing is
+wrapped when it is off):
+
+- `invariants-track-launched` wraps `Scheduler._update_after_schedule` (the
+  end of every `schedule()`, `AsyncScheduler` included) to count, per
+  request, the launched steps whose output is not applied yet;
+- `invariants-check` wraps `Scheduler.update_from_output` (inherited by
+  `AsyncScheduler` on 0.32 and 0.33) and checks, after each call:
+
+  computed_le_tokens  num_computed_tokens <= num_tokens (+ placeholders while
+                      a step is in flight for the request)
+  placeholders        num_output_placeholders >= 0, and 0 when nothing is in
+                      flight for the request
+  grammar_prefix      a structured request's committed output is accepted
+                      by a SHADOW grammar (compiled afresh by the same
+                      backend, fed only the committed tokens)
+  post_terminal       no token is committed after the shadow grammar
+                      terminated (only when grammar termination is a stop
+                      condition: VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION != 0)
+  grammar_sync        the request's grammar advanced exactly over the
+                      committed tokens: same terminated flag as the shadow,
+                      same next-token bitmask, and (xgrammar, outlines) the
+                      same num_processed_tokens
+  stop_complete       a structured request finished with "stop" has a
+                      terminated shadow grammar (complete, grammar-valid)
+  logprob_rows        logprob rows sent == tokens sent, per output
+  finished_blocks     a finished request no longer in `requests` owns no
+                      block in any KV manager (freed or moved to the
+                      deferred-free list)
+  idle_pool           when no request is left and nothing is in flight,
+                      free blocks (+ deferred frees) == pool size - 1
+
+Not checked: requests with a reasoning parser (the grammar starts at the
+reasoning end, which the shadow does not replay); grammars of backends other
+than xgrammar / guidance / outlines (only the non-grammar invariants);
+guidance exposes no token counter (bitmask + terminated flag only).
+
+On a violation: `InvariantViolation` (request id, invariant, state) when
+`raise_on_violation()` is on (tests: `VLLM_PATCH_INVARIANTS_RAISE=1` or
+`set_mode("raise")`); otherwise one error log line per request and invariant
+and `vllm_patch_invariant_violations_total{invariant=...}` is incremented.
+The fuzzer uses `set_mode("record", ...)` on one scheduler to collect all.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from vllm_patch.patching import Patch
+
+logger = logging.getLogger("vllm_patch")
+
+INVARIANTS = (
+    "computed_le_tokens", "placeholders", "grammar_prefix", "post_terminal",
+    "grammar_sync", "stop_complete", "logprob_rows", "finished_blocks",
+    "idle_pool",
+)
+CHECK_PATCH = "invariants-check"
+TRACK_PATCH = "invariants-track-launched"
+_ATTR = "_vllm_patch_invariant_checker"
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, invariant: str, request_id: str | None,
+                 detail: str, state: dict[str, Any]) -> None:
+        self.invariant = invariant
+        self.request_id = request_id
+        self.detail = detail
+        self.state = state
+        super().__init__(f"invariant {invariant} violated for request "
+                         f"{request_id}: {detail}; state={state}")
+
+
+@dataclass
+class Violation:
+    invariant: str
+    request_id: str | None
+    detail: str
+    state: dict[str, Any]
+
+
+_COUNTER: Any = None
+
+
+def _counter() -> Any:
+    """vllm_patch_invariant_violations_total on prometheus_client's default
+    REGISTRY, which vLLM's /metrics serves in-process, or through the
+    multiprocess collector when PROMETHEUS_MULTIPROC_DIR is set before the
+    engine core starts (vLLM sets it for api_server_count > 1)."""
+    global _COUNTER
+    if _COUNTER is None:
+        try:
+            from prometheus_client import Counter
+
+            _COUNTER = Counter("vllm_patch_invariant_violations",
+                               "Scheduler invariant violations found by "
+                               "vllm_patch's checker", ["invariant"])
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            _COUNTER = False
+    return _COUNTER
+
+
+def _env_raise() -> bool:
+    from vllm_patch import envs
+
+    return envs.settings().invariants_raise
+
+
+def _post_terminal_applies() -> bool:
+    from vllm_patch import envs
+
+    return envs.settings().stop_on_grammar_termination
+
+
+class _Shadow:
+    """A fresh grammar of the same spec, fed only committed tokens."""
+
+    __slots__ = ("grammar", "fed", "broken", "terminated", "backend")
+
+    def __init__(self, grammar: Any) -> None:
+        self.grammar = grammar
+        self.fed = 0
+        self.broken = False
+        self.terminated = False
+        self.backend = type(grammar).__name__
+
+
+def _bitmask(grammar: Any, vocab: int) -> Any:
+    import torch
+
+    bm = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+    grammar.fill_bitmask(bm, 0)
+    return bm
+
+
+class Checker:
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.mode = "raise" if _env_raise() else "serve"
+        self.sink: Callable[[Violation], None] | None = None
+        self.inflight: dict[str, int] = defaultdict(int)
+        # tokens scheduled for the request in steps still in flight
+        self.inflight_tokens: dict[str, int] = defaultdict(int)
+        self.launched: dict[int, list[str]] = {}
+        self.tracking = False
+        self.watch: dict[str, Any] = {}
+        self.shadows: dict[str, _Shadow | None] = {}
+        self.reported: set[tuple[str | None, str]] = set()
+        self.checks = 0
+
+    # ----------------------------------------------------------- violations
+    def violate(self, invariant: str, req: Any, detail: str) -> None:
+        rid = getattr(req, "request_id", None) if req is not None else None
+        key = (rid, invariant)
+        state = self.state(req) if req is not None else self.pool_state()
+        if self.mode == "raise":
+            raise InvariantViolation(invariant, rid, detail, state)
+        if key in self.reported:
+            return
+        self.reported.add(key)
+        if self.mode == "record":
+            if self.sink is not None:
+                self.sink(Violation(invariant, rid, detail, state))
+            return
+        logger.error("vllm_patch invariant %s violated for request %s: %s; "
+                     "state=%s", invariant, rid, detail, state)
+        c = _counter()
+        if c:
+            c.labels(invariant=invariant).inc()
+
+    def state(self, req: Any) -> dict[str, Any]:
+        st: dict[str, Any] = {
+            "status": getattr(req.status, "name", str(req.status)),
+            "num_prompt_tokens": req.num_prompt_tokens,
+            "num_tokens": req.num_tokens,
+            "num_computed_tokens": req.num_computed_tokens,
+            "num_output_placeholders": req.num_output_placeholders,
+            "in_flight": self.inflight.get(req.request_id, 0),
+            "output_token_ids": list(req.output_token_ids)[-16:],
+            "spec_token_ids": list(req.spec_token_ids),
+            "num_preemptions": getattr(req, "num_preemptions", None),
+        }
+        so_req = req.structured_output_request
+        if so_req is not None:
+            g = so_req.grammar
+            st["grammar"] = type(g).__name__
+            st["grammar_terminated"] = _safe(lambda: g.is_terminated())
+            st["grammar_processed"] = getattr(g, "num_processed_tokens", None)
+            sh = self.shadows.get(req.request_id)
+            if sh is not None:
+                st["shadow_fed"] = sh.fed
+                st["shadow_terminated"] = sh.terminated
+        return st
+
+    def pool_state(self) -> dict[str, Any]:
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return {"free": pool.get_num_free_blocks(),
+                "size": pool.num_gpu_blocks - 1,
+                "deferred": _deferred(self.scheduler),
+                "requests": list(self.scheduler.requests)}
+
+    # ------------------------------------------------------------ tracking
+    def launched_step(self, scheduler_output: Any) -> None:
+        self.tracking = True
+        ids = dict(scheduler_output.num_scheduled_tokens)
+        self.launched[id(scheduler_output)] = ids
+        for rid, n in ids.items():
+            self.inflight[rid] += 1
+            self.inflight_tokens[rid] += n
+
+    def applied_step(self, scheduler_output: Any) -> None:
+        for rid, k in self.launched.pop(id(scheduler_output), {}).items():
+            n = self.inflight.get(rid, 0) - 1
+            if n > 0:
+                self.inflight[rid] = n
+                self.inflight_tokens[rid] -= k
+            else:
+                self.inflight.pop(rid, None)
+                self.inflight_tokens.pop(rid, None)
+
+    # -------------------------------------------------------------- checks
+    def after_update(self, scheduler_output: Any, before: dict[str, Any],
+                     outputs: dict[int, Any]) -> None:
+        self.checks += 1
+        self.applied_step(scheduler_output)
+        sched = self.scheduler
+        self.watch.update(before)
+        for eco in outputs.values():
+            for o in eco.outputs:
+                req = self.watch.get(o.request_id) or sched.requests.get(
+                    o.request_id)
+                if req is None or req.sampling_params is None:
+                    continue
+                if req.sampling_params.logprobs is None:
+                    continue
+                n = len(o.new_token_ids)
+                rows = 0 if o.new_logprobs is None else \
+                    len(o.new_logprobs.logprob_token_ids)
+                if rows != n:
+                    self.violate("logprob_rows", req,
+                                 f"{rows} logprob rows for {n} tokens")
+        for rid, req in list(self.watch.items()):
+            self.check_request(req)
+            if req.is_finished() and rid not in sched.requests:
+                self.watch.pop(rid, None)
+                self.shadows.pop(rid, None)
+        self.check_idle()
+
+    def check_request(self, req: Any) -> None:
+        rid = req.request_id
+        inflight = self.inflight.get(rid, 0) if self.tracking else None
+        ph = req.num_output_placeholders
+        if ph < 0:
+            self.violate("placeholders", req, f"num_output_placeholders={ph}")
+        elif inflight == 0 and ph != 0 and not req.is_finished():
+            self.violate("placeholders", req,
+                         f"num_output_placeholders={ph} with nothing in flight")
+        # Steps in flight (async placeholders, or a sync batch queue) have
+        # already counted their scheduled tokens as computed.
+        if inflight is None:
+            extra = max(ph, 0) + len(req.spec_token_ids)
+        else:
+            extra = self.inflight_tokens.get(rid, 0) if inflight else 0
+        bound = req.num_tokens + extra
+        # An abort freezes the counters of a request with steps in flight
+        # (their outputs are dropped): not a committed state.
+        aborted = req.status.name == "FINISHED_ABORTED"
+        if req.num_computed_tokens > bound and not aborted:
+            self.violate("computed_le_tokens", req,
+                         f"num_computed_tokens={req.num_computed_tokens} > "
+                         f"{bound}")
+        if req.structured_output_request is not None:
+            self.check_grammar(req)
+        if req.is_finished() and rid not in self.scheduler.requests:
+            held = _blocks_of(self.scheduler, rid)
+            if held:
+                self.violate("finished_blocks", req,
+                             f"finished and freed but owns {held} block(s)")
+
+    def check_grammar(self, req: Any) -> None:
+        rid = req.request_id
+        so_req = req.structured_output_request
+        mgr = self.scheduler.structured_output_manager
+        if getattr(so_req, "reasoner", None) is not None or \
+                getattr(mgr, "reasoner", None) is not None:
+            return  # not checked: reasoning prefix
+        real = so_req.grammar
+        if real is None or isinstance(real, Exception):
+            return
+        if type(real).__name__ not in ("XgrammarGrammar", "GuidanceGrammar",
+                                       "OutlinesGrammar"):
+            return
+        if rid not in self.shadows:
+            try:
+                self.shadows[rid] = _Shadow(mgr._create_grammar(req))  # noqa: SLF001
+            except Exception:  # noqa: BLE001
+                self.shadows[rid] = None
+        sh = self.shadows[rid]
+        if sh is None:
+            return
+        out = req.output_token_ids
+        eos = getattr(mgr.tokenizer, "eos_token_id", None)
+        post_terminal = _post_terminal_applies()
+        while sh.fed < len(out) and not sh.broken:
+            t = out[sh.fed]
+            sh.fed += 1
+            if sh.terminated:
+                if post_terminal:
+                    self.violate("post_terminal", req,
+                                 f"token {t} committed at output position "
+                                 f"{sh.fed - 1}, after the grammar terminated")
+                sh.broken = True
+                break
+            g = sh.grammar
+            if sh.backend == "GuidanceGrammar" and g.ll_matcher.is_stopped():
+                if t == eos:
+                    g.accept_tokens(rid, [t])
+                    sh.terminated = True
+                    continue
+                valid = []
+            else:
+                valid = g.validate_tokens([t])
+            if not valid:
+                if sh.backend == "OutlinesGrammar" and t == g.eos_token_id \
+                        and g.guide.is_finished():
+                    g.accept_tokens(rid, [t])
+                    sh.terminated = g.is_terminated()
+                    continue
+                self.violate("grammar_prefix", req,
+                             f"token {t} at output position {sh.fed - 1} is "
+                             "not grammar-valid")
+                sh.broken = True
+                break
+            g.accept_tokens(rid, [t])
+            sh.terminated = bool(g.is_terminated())
+        if sh.broken:
+            return
+        if req.is_finished() and req.status.name == "FINISHED_STOPPED" \
+                and not _complete(sh):
+            self.violate("stop_complete", req,
+                         "finished with 'stop' but the grammar did not "
+                         "terminate on the committed output")
+        # grammar_sync: the request's grammar vs the shadow.
+        try:
+            rt = bool(real.is_terminated())
+        except Exception:  # noqa: BLE001
+            return
+        if rt != sh.terminated:
+            self.violate("grammar_sync", req,
+                         f"grammar terminated={rt}, committed output "
+                         f"terminates={sh.terminated}")
+            return
+        a = getattr(real, "num_processed_tokens", None)
+        b = getattr(sh.grammar, "num_processed_tokens", None)
+        if a is not None and b is not None and a != b:
+            self.violate("grammar_sync", req,
+                         f"grammar processed {a} tokens, committed {b}")
+            return
+        if not rt and not req.is_finished():
+            vocab = getattr(real, "vocab_size", None) or len(mgr.tokenizer)
+            ma, mb = _bitmask(real, vocab), _bitmask(sh.grammar, vocab)
+            if not bool((ma == mb).all()):
+                self.violate("grammar_sync", req,
+                             "grammar's next-token mask differs from the "
+                             "mask after the committed output")
+
+    def check_idle(self) -> None:
+        sched = self.scheduler
+        if sched.requests or (self.tracking and self.inflight):
+            return
+        if self.tracking and self.launched:
+            return
+        pool = sched.kv_cache_manager.block_pool
+        size = pool.num_gpu_blocks - 1
+        free = pool.get_num_free_blocks() + _deferred(sched)
+        if free != size:
+            self.violate("idle_pool", None,
+                         f"idle: {free} free (+deferred) blocks of {size}")
+
+
+def _complete(sh: _Shadow) -> bool:
+    """The committed output is a complete grammar output: terminated, or
+    the grammar accepts ending here (a user stop token stopped it)."""
+    if sh.terminated:
+        return True
+    g = sh.grammar
+    try:
+        if sh.backend == "GuidanceGrammar":
+            m = g.ll_matcher
+            return bool(m.is_stopped() or m.is_accepting())
+        if sh.backend == "OutlinesGrammar":
+            return bool(g.guide.is_finished())
+        if sh.backend == "XgrammarGrammar":
+            return any(g.validate_tokens([int(t)])
+                       for t in g.matcher.stop_token_ids)
+    except Exception:  # noqa: BLE001
+        return True
+    return True
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001
+        return repr(exc)
+
+
+def _deferred(sched: Any) -> int:
+    d = getattr(sched, "deferred_frees", None)
+    return sum(len(b) for _, b in d) if d else 0
+
+
+def _blocks_of(sched: Any, rid: str) -> int:
+    coord = sched.kv_cache_manager.coordinator
+    n = 0
+    for mgr in getattr(coord, "single_type_managers", ()):
+        blocks = mgr.req_to_blocks.get(rid)
+        if blocks:
+            n += sum(1 for b in blocks if not getattr(b, "is_null", False))
+    return n
+
+
+def checker(scheduler: Any) -> Checker:
+    c = scheduler.__dict__.get(_ATTR)
+    if c is None:
+        c = Checker(scheduler)
+        scheduler.__dict__[_ATTR] = c
+    return c
+
+
+def set_mode(scheduler: Any, mode: str,
+             sink: Callable[[Violation], None] | None = None) -> Checker:
+    """mode: "raise" (tests), "record" (calls `sink`), "serve" (log+metric)."""
+    c = checker(scheduler)
+    c.mode = mode
+    c.sink = sink
+    return c
+
+
+def _snapshot(self: Any, scheduler_output: Any) -> dict[str, Any]:
+    reqs = self.requests
+    return {rid: reqs[rid] for rid in scheduler_output.num_scheduled_tokens
+            if rid in reqs}
+
+
+def _make_update(original: Any) -> Any:
+    def update_from_output(self, scheduler_output, model_runner_output):
+        before = _snapshot(self, scheduler_output)
+        outputs = original(self, scheduler_output, model_runner_output)
+        checker(self).after_update(scheduler_output, before, outputs)
+        return outputs
+
+    return update_from_output
+
+
+def _make_track(original: Any) -> Any:
+    def _update_after_schedule(self, scheduler_output):
+        original(self, scheduler_output)
+        checker(self).launched_step(scheduler_output)
+
+    return _update_after_schedule
+
+
+def instrument(scheduler: Any) -> Checker:
+    """Check one scheduler instance without the class patches (by
+    composition: instance attributes). No-op if the patches are applied."""
+    from vllm_patch.patching import NAME_ATTR
+
+    c = checker(scheduler)
+    cls = type(scheduler)
+    if getattr(cls.update_from_output, NAME_ATTR, None) != CHECK_PATCH:
+        orig = cls.update_from_output
+        scheduler.update_from_output = _make_update(orig).__get__(scheduler)
+    if getattr(cls._update_after_schedule, NAME_ATTR, None) != TRACK_PATCH:  # noqa: SLF001
+        orig2 = cls._update_after_schedule  # noqa: SLF001
+        scheduler._update_after_schedule = _make_track(orig2).__get__(scheduler)  # noqa: SLF001
+    return c
+
+
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler."
+_COMMON = dict(
+    guarantee="package",
+    versions=("0.32", "0.33"),
+    upstream="SGLang SchedulerInvariantChecker (issue 8)",
+    remove_when="never: opt-in diagnostics",
+    enabled=lambda s: s.check_invariants and not s.disable,
+)
+
+PATCHES: list[Patch] = [
+    Patch(
+        name=TRACK_PATCH,
+        target=_SCHED + "_update_after_schedule",
+        signature=("self", "scheduler_output"),
+        make=_make_track,
+        why="the checker needs, per request, the launched steps not yet "
+            "applied (placeholders must be 0 when none is in flight)",
+        how="count request ids of every scheduler output after schedule()",
+        **_COMMON,
+    ),
+    Patch(
+        name=CHECK_PATCH,
+        target=_SCHED + "update_from_output",
+        signature=("self", "scheduler_output", "model_runner_output"),
+        make=_make_update,
+        why="catch scheduler/grammar/KV invariant violations at runtime "
+            "(VLLM_PATCH_CHECK_INVARIANTS=1)",
+        how="after every update_from_output: check counters, placeholders, "
+            "a shadow grammar over the committed output, logprob rows, "
+            "blocks of finished requests and, at idle, the block pool",
+        **_COMMON,
+    ),
+]
