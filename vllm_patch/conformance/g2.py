@@ -271,6 +271,77 @@ def _stop_trim_rollback() -> list[str]:
     return v
 
 
+# ------------------------------------------- stock trims before the cut
+def _grammar_at(h, rid: str, nxt: list[int], bad: list[int]) -> list[str]:
+    """The grammar holds exactly the kept tokens: every token of `nxt` is
+    the next valid one, every token of `bad` is not."""
+    g = h.grammar(rid)
+    v = []
+    if g.is_terminated():
+        v.append("grammar terminated past the kept tokens")
+        return v
+    # guidance: a complete grammar may be "stopped" (only EOS allowed, but
+    # validate_tokens reports [] for EOS too) or not yet; both are the end.
+    stopped = getattr(getattr(g, "ll_matcher", None), "is_stopped", None)
+    for t in nxt:
+        if t == EOS and stopped is not None and stopped():
+            continue
+        if g.validate_tokens([t]) != [t]:
+            v.append(f"grammar does not accept {t} next: it is not at the "
+                     "kept tokens")
+    for t in bad:
+        if g.validate_tokens([t]) == [t]:
+            v.append(f"grammar accepts {t} next: it is behind the kept tokens")
+    return v
+
+
+def _stop_before_cut(backend: str):
+    """max_tokens stops the request inside a step, before the grammar's end
+    (and in a step with no terminal at all): the grammar holds the kept
+    tokens only (the patch advanced further and rolled back). (A user stop
+    token cannot serve here: xgrammar compiles it into the grammar.)"""
+    def run() -> list[str]:
+        v = []
+        for regex, step, nxt, bad in (("abc", "bc", [EOS], ["c"]),
+                                      ("abcde", "bcd", ["d"], ["c"])):
+            h = _h(backend)
+            t = {ch: h.tok(ch) for ch in "abcde"}
+            a, b, c = t["a"], t["b"], t["c"]
+            tail = [t[ch] for ch in step] + ([EOS] if regex == "abc" else [])
+            rid = h.add_request(_prompt(h), regex=regex, ignore_eos=True,
+                                max_tokens=3, logprobs=1)
+            _drive(h, rid, [([a], tail[:3]), (tail, [])])
+            v += [f"{regex}: {m}" for m in
+                  _check(h, rid, [a, b, c], finish="length")
+                  if not m.startswith("num_computed")]
+            conv = lambda xs: [x if isinstance(x, int) else t[x] for x in xs]
+            v += [f"{regex}: {m}" for m in
+                  _grammar_at(h, rid, conv(nxt), conv(bad))]
+            v += _held_at_idle(h)
+        return v
+    return run
+
+
+def _reasoning_trim(max_tokens: int):
+    """max_tokens trims the step before </think> (2) or right after it (3):
+    reasoning_ended latched only if </think> was kept, grammar untouched."""
+    def run() -> list[str]:
+        h = _h(reasoning_parser="deepseek_r1")
+        a, k = h.tok("a"), h.tok("k")
+        rid = h.add_request(_prompt(h) + [THINK], regex="a", ignore_eos=True,
+                            logprobs=1, max_tokens=max_tokens)
+        _drive(h, rid, [([k], [k, END_THINK, a]), ([k, END_THINK, a, EOS], [])])
+        want = [k, k, END_THINK][:max_tokens]
+        v = _check(h, rid, want, finish="length")
+        v = [m for m in v if not m.startswith("num_computed")]
+        ended = h.request(rid).structured_output_request.reasoning_ended
+        if bool(ended) != (END_THINK in want):
+            v.append(f"reasoning_ended {ended} with kept {want}")
+        v += _grammar_at(h, rid, [a], [])
+        return v + _idle_blocks(h)
+    return run
+
+
 # ------------------------------------------------------ KV / prefix cache
 def _prefix_probe(block_size: int):
     """The dropped token `c` completes a block; no later request may get a
@@ -422,6 +493,16 @@ SCENARIOS: list[Scenario] = [
     _s("g2-c3-user-stop-token",
        "C3: a user stop token that is also a grammar stop, ignore_eos",
        _c3, stock_fails=False),
+    *[_s(f"g2-c4-max-tokens-before-cut-{be}",
+         f"C4 ({be}): max_tokens inside a step, before the terminal / in a "
+         "step without one: kept tokens only, in the output and the grammar",
+         _stop_before_cut(be), stock_fails=False)
+      for be in ("xgrammar", "guidance", "outlines")],
+    *[_s(f"g2-c5-reasoning-trim-max-tokens-{n}",
+         f"C5: max_tokens={n} trims the step "
+         f"{'before' if n == 2 else 'just after'} </think>: reasoning_ended "
+         "and grammar as stock", _reasoning_trim(n), stock_fails=False)
+      for n in (2, 3)],
     _s("g2-stop-trim-rollback-0.32",
        "0.32: a stop trim rolls back num_computed_tokens (as 0.33 does)",
        _stop_trim_rollback, series=("0.32",)),

@@ -90,6 +90,21 @@ def test_stop_on_grammar_termination_off(patched, monkeypatch):
     term = by_name["g2-p1-xgrammar-eos-mid-step"].run()
     assert any("after the grammar's end" in v for v in term)
     assert any("finish_reason None" in v for v in term)
+    if patched:
+        # Every backend: exactly what stock does after the grammar's end
+        # (guidance: stock's own accept then rejects the token after EOS).
+        import vllm_patch
+        from vllm_patch import patching
+
+        names = ("g2-p1-xgrammar-eos-mid-step", "g2-p4-guidance",
+                 "g2-p5-outlines", "g2-p5-outlines-bonus", "g2-multi-step-outlines")
+        off = {n: by_name[n].run() for n in names}
+        patching.revert_all()
+        try:
+            stock = {n: by_name[n].run() for n in names}
+        finally:
+            vllm_patch.register()
+        assert off == stock
     rej = by_name["g2-p6-rejection-xgrammar"].run()
     if patched:
         assert rej == []
@@ -132,4 +147,71 @@ def test_bitmask_and_acceptable_drafts_recorded():
         set(h.allowed(rows[2])) <= {EOS, IM_END}
     if rec.num_acceptable_drafts is not None:
         assert rec.num_acceptable_drafts[rid] == 2
+    h.drain()
+
+
+def test_fallback_without_accept_once(patched):
+    """Without g2-accept-once (skipped / signature mismatch) the scheduler
+    wrapper must not advance the grammar (stock would accept the same tokens
+    again): it falls back to validate-only and every scenario still holds."""
+    if not patched:
+        pytest.skip("patched run only")
+    import vllm_patch
+    from vllm_patch import patching
+    from vllm_patch.v1.core.sched.scheduler import ACCEPT_PATCH
+
+    assert patching.REGISTRY.outcomes[ACCEPT_PATCH].state is \
+        patching.State.APPLIED
+    patching.revert_patch(ACCEPT_PATCH)
+    try:
+        failed = {s.name: v for s in g2.SCENARIOS if SERIES in s.series
+                  for v in [s.run()] if v}
+    finally:
+        vllm_patch.register()
+    assert failed == {}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance", "outlines"])
+def test_one_grammar_walk_per_step(patched, backend):
+    """Patched: stock's post-append accept_tokens never reaches the grammar
+    for tokens the wrapper already accepted; xgrammar does no separate
+    validation either (one walk per step, as stock)."""
+    if not patched:
+        pytest.skip("patched run only")
+    from vllm_patch.testing.harness import Harness
+
+    h = Harness(backend, num_spec_tokens=3)
+    a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+    rid = h.add_request([h.tok("x")] * 4, regex="[abc]+", ignore_eos=True,
+                        max_tokens=100)
+    g = h.grammar(rid)
+    calls = {"accept_tokens": 0, "validate_tokens": 0}
+
+    def spy(name):
+        real = getattr(g, name)
+
+        def f(*args):
+            calls[name] += 1
+            return real(*args)
+        return f
+
+    stream = [a] + [b, c, a] * 6  # tokens the "model" samples, in order
+    h.step({rid: stream[:1]}, drafts={rid: stream[1:4]})
+    for i in range(3):
+        so = h.schedule()
+        h._grammar(so)  # noqa: SLF001 - the schedule-time walk is not counted
+        for name in calls:
+            g.__dict__[name] = spy(name)
+        h.run_model(so, {rid: stream[1 + 4 * i:5 + 4 * i]})
+        for name in calls:
+            del g.__dict__[name]
+        h.set_drafts({rid: stream[5 + 4 * i:8 + 4 * i]})
+    want = {"accept_tokens": 0, "validate_tokens": 0} \
+        if backend == "xgrammar" else {"accept_tokens": 3,
+                                       "validate_tokens": 3}
+    assert calls == want
+    assert h.emitted(rid).token_ids == stream[:13]
+    assert not h.request(rid).is_finished()
+    if backend == "xgrammar":  # the fields stock's accept loop maintains
+        assert g.num_processed_tokens == 13 and not g.is_terminated()
     h.drain()

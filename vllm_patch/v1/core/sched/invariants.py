@@ -47,7 +47,6 @@ The fuzzer uses `set_mode("record", ...)` on one scheduler to collect all.
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable

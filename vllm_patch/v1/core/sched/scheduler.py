@@ -4,33 +4,64 @@ Hook: `Scheduler._update_request_with_output`, the one place where a step's
 sampled tokens are appended to the request (and thereby hashed into blocks,
 cached, fed to the grammar, given logprobs and emitted: all of that reads the
 list this method returns). The wrapper decides, with the grammar, how many of
-the returned tokens may be committed BEFORE the stock append loop runs:
+the returned tokens may be committed BEFORE the stock append loop runs, and
+it does so with ONE grammar walk: the walk that stock would do afterwards in
+`StructuredOutputManager.accept_tokens`, moved in front of the append.
 
-1. `grammar_cut` splits off the reasoning part exactly as stock does
+1. `advance_cut` splits off the reasoning part exactly as stock does
    (`StructuredOutputManager._get_constraint_bounds`, uncommitted form, as
-   `validate_tokens` uses it), then asks the grammar for the longest valid
-   prefix of the rest (`validate_tokens`: non-advancing, walks token by token
-   and stops after a terminal token or before the first invalid one). The
-   terminal can only be the last validated token; it is confirmed by an
-   accept + `is_terminated()` probe that is rolled back (skipped when the
-   token is not one of the backend's stop tokens). No advance ever exceeds
-   the step, so outlines' `max_rollback = k` is respected (an
-   accept-everything-then-rollback probe of a k+1-token step raises there).
+   `validate_tokens` uses it), then ADVANCES the grammar over the rest,
+   stopping after a terminal token or before the first rejected token:
+   - xgrammar: token by token on the matcher (`accept_token` returns False
+     for an invalid token without advancing; `is_terminated()` after each
+     accepted token). Exactly stock's accept loop, nothing more.
+   - guidance (llguidance's matcher enters a sticky error state on a failed
+     consume), outlines (advance on a dead state fails; rollback depth k)
+     and any other backend: the non-advancing `validate_tokens` first
+     (native in llguidance), then `accept_tokens` of the valid prefix only.
+   - guidance, complete grammar ("stopped", only EOS allowed, which its
+     `validate_tokens` reports as invalid): EOS is accepted as the terminal,
+     as its `accept_tokens` does.
 2. The dropped tail is deleted from the runner's list in place and
    `num_computed_tokens` / `num_output_placeholders` are rolled back by the
    dropped count (what stock 0.33 does for a stop trim), unless the output is
    stale (preempted request: counters were already reset).
-3. The stock method appends the kept prefix and runs `check_stop` (stock stop
-   precedence: EOS, stop tokens, length inside the kept prefix are unchanged).
-4. If stock did not stop, the request finishes in the same pass:
+3. The stock method appends the kept prefix and runs `check_stop`. If it
+   trims further than the cut (max_tokens, a user stop token, max_model_len
+   before the terminal), the grammar is rolled back by the difference, so
+   it holds exactly the kept grammar tokens (at most k tokens: every backend
+   can roll back that far); if the trim falls before the reasoning end, all
+   of the advance is rolled back (stock would not have latched
+   `reasoning_ended` either).
+4. The kept list is marked as "already accepted" (`ACCEPTED`, keyed by
+   the list object's id). Stock then calls
+   `StructuredOutputManager.accept_tokens(request, kept)` with that very
+   list; `vllm_patch.v1.structured_output.manager_accept` turns that call
+   into a no-op that only latches `reasoning_ended` (as stock does when the
+   grammar part is non-empty) and clears the mark. Any other call, or a
+   list that is not the marked one, goes to stock unchanged.
+5. If stock did not stop, the request finishes in the same pass:
    FINISHED_STOPPED (stop_reason = terminal id unless it is the tokenizer EOS)
    on termination, FINISHED_ERROR + non-resumable on rejection (one log line).
+
+Without the manager patch (skipped, or its signature differs) the advance
+would be applied twice, so the wrapper falls back to the validate-only path
+(`grammar_cut`: `validate_tokens` plus a terminal probe, never advancing):
+same guarantee, about twice the grammar work.
+
+Not done: skipping the walk when a step returns exactly the drafts the
+bitmask walk validated at schedule time. The grammar must be advanced by
+those tokens anyway (stock does it), and the walk that advances it is the
+one that validates them here, so there is nothing left to skip; trusting the
+schedule-time validation instead would trust the worker's mask (the
+divergence P6 exists for).
 
 The settings (`VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION`) are read at call time,
 only when a grammar terminal is found (rare), so a test can flip them without
 re-applying and the hot path pays nothing for them. With the flag off,
-termination is left to stock (post-terminal tokens behave as in stock); the
-rejection trim stays.
+termination is left to stock: the advance is rolled back and stock's own
+accept runs (post-terminal tokens behave as in stock); the rejection trim
+stays.
 
 0.32 differences, handled by a separate series of the same patch:
 - stock 0.32 trims at a stop but does not roll back `num_computed_tokens`;
@@ -48,11 +79,12 @@ Spec-decode stats: `make_spec_decoding_stats` caps accepted at the real
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from vllm_patch import envs
-from vllm_patch.patching import Patch
+from vllm_patch.patching import NAME_ATTR, Patch
 
 logger = logging.getLogger("vllm_patch")
 
@@ -61,6 +93,15 @@ REJECTED = "rejected"
 
 # Attribute set by the 0.32 AsyncScheduler wrapper around its super() call.
 STALE_ATTR = "_vllm_patch_is_stale"
+# Kept token lists whose grammar tokens the wrapper has already accepted,
+# keyed by id(list) (the list itself is the value, so the id cannot be
+# reused while pending); consumed by manager_accept's accept_tokens wrapper
+# a few lines later in the same update_from_output. Module-level rather
+# than an attribute on the request: a new instance attribute would un-share
+# the request's __dict__ and slow every attribute access on it.
+ACCEPTED: dict[int, list[int]] = {}
+# Name of the StructuredOutputManager.accept_tokens patch the fast path needs.
+ACCEPT_PATCH = "g2-accept-once"
 _EOS_ATTR = "_vllm_patch_tokenizer_eos"
 _STOPS_ATTR = "_vllm_patch_stop_ids"
 
@@ -89,7 +130,7 @@ def _stop_candidates(grammar: Any) -> frozenset[int] | None:
 def _terminates(grammar: Any, request_id: str, valid: list[int]) -> bool:
     """Does accepting `valid` (a validated prefix) terminate the grammar?
     Only the last token can be the terminal (validate_tokens stops after
-    it). Probe by accepting and rolling back."""
+    it). Probe by accepting and rolling back. (Fallback path only.)"""
     stops = _stop_candidates(grammar)
     if stops is not None and valid[-1] not in stops:
         return False
@@ -114,7 +155,8 @@ def _stopped_awaiting_eos(grammar: Any, token: int) -> bool:
 
 def grammar_cut(manager: Any, request: Any, tokens: list[int]
                 ) -> tuple[int, str | None, int | None]:
-    """How many of `tokens` may be committed: (cut, reason, rejected_token).
+    """Validate-only fallback (the grammar is not advanced): how many of
+    `tokens` may be committed: (cut, reason, rejected_token).
 
     reason is TERMINATED (cut is just after the terminal token, which may be
     the last token: nothing dropped, the request still finishes), REJECTED
@@ -140,6 +182,87 @@ def grammar_cut(manager: Any, request: Any, tokens: list[int]
             return grammar_start + 1, TERMINATED, None
         return grammar_start + m, REJECTED, tail[m]
     return n, None, None
+
+
+# Grammar classes whose accept loop the wrapper may run itself: vLLM's
+# XgrammarGrammar with the fields that loop keeps (checked once per class).
+_XGRAMMAR_FAST: dict[type, bool] = {}
+
+
+def _xgrammar_fast(cls: type) -> bool:
+    ok = _XGRAMMAR_FAST.get(cls)
+    if ok is None:
+        try:
+            names = {f.name for f in dataclasses.fields(cls)}
+        except TypeError:
+            names = set()
+        ok = (cls.__name__ == "XgrammarGrammar"
+              and cls.__module__.startswith("vllm.")
+              and {"matcher", "num_processed_tokens", "_is_terminated"} <= names)
+        _XGRAMMAR_FAST[cls] = ok
+    return ok
+
+
+def advance_cut(manager: Any, request: Any, grammar: Any, tokens: list[int]
+                ) -> tuple[int, str | None, int | None, int, int]:
+    """Advance `grammar` over the committable part of `tokens` (one walk).
+
+    Returns (cut, reason, rejected_token, grammar_start, advanced): the
+    grammar has accepted tokens[grammar_start:grammar_start + advanced]
+    (cut == grammar_start + advanced whenever advanced > 0); reason as in
+    `grammar_cut`.
+    """
+    n = len(tokens)
+    if grammar is None or not n:
+        return n, None, None, n, 0
+    # Stock's first check in _get_constraint_bounds (after
+    # enable_in_reasoning, which gives the same answer): once reasoning has
+    # ended the grammar constrains every token. Saves the call per step.
+    gs = 0 if request.structured_output_request.reasoning_ended else \
+        manager._get_constraint_bounds(request, tokens)[0]
+    if gs >= n:
+        return n, None, None, n, 0  # every token is reasoning (or ends it)
+    tail = tokens[gs:] if gs else tokens
+    if _XGRAMMAR_FAST.get(type(grammar)) or _xgrammar_fast(type(grammar)):
+        # Stock XgrammarGrammar.accept_tokens, but stopping at (instead of
+        # logging) a rejected token: the matcher does not advance on it.
+        if grammar._is_terminated:  # noqa: SLF001
+            return gs, TERMINATED, None, gs, 0
+        matcher = grammar.matcher
+        accept = matcher.accept_token
+        terminated = matcher.is_terminated
+        m = 0
+        for token in tail:
+            if not accept(token):
+                grammar.num_processed_tokens += m
+                return gs + m, REJECTED, token, gs, m
+            m += 1
+            if terminated():
+                grammar.num_processed_tokens += m
+                grammar._is_terminated = True  # noqa: SLF001 - as stock
+                return gs + m, TERMINATED, None, gs, m
+        grammar.num_processed_tokens += m
+        return n, None, None, gs, m
+    if grammar.is_terminated():
+        return gs, TERMINATED, None, gs, 0
+    # guidance / outlines / other: validate (non-advancing), then accept
+    # only the valid prefix (a failed consume is sticky in llguidance).
+    valid = grammar.validate_tokens(tail)
+    m = len(valid)
+    if m and not grammar.accept_tokens(request.request_id, valid):
+        # validate_tokens said valid; cannot happen. Nothing is committed.
+        logger.error("vllm_patch G2: request %s: grammar accepted %d tokens "
+                     "in validate_tokens but not in accept_tokens",
+                     request.request_id, m)
+        return gs, REJECTED, tail[0], gs, 0
+    if grammar.is_terminated():
+        return gs + m, TERMINATED, None, gs, m
+    if m < len(tail):
+        if _stopped_awaiting_eos(grammar, tail[m]):
+            grammar.accept_tokens(request.request_id, [tail[m]])
+            return gs + m + 1, TERMINATED, None, gs, m + 1
+        return gs + m, REJECTED, tail[m], gs, m
+    return n, None, None, gs, m
 
 
 def _tokenizer_eos(scheduler: Any) -> int | None:
@@ -175,36 +298,73 @@ def _finish(scheduler: Any, request: Any, kept: list[int], reason: str,
 
 
 def _make_update(series: str):
+    v032 = series == "0.32"
+
     def make(original):
         def _update_request_with_output(self, request, new_token_ids,
                                         is_stale=False):
-            stale = is_stale or self.__dict__.get(STALE_ATTR, False)
-            reason = rejected = None
-            if request.use_structured_output:
-                cut, reason, rejected = grammar_cut(
-                    self.structured_output_manager, request, new_token_ids)
-                if reason == TERMINATED and \
-                        not envs.settings().stop_on_grammar_termination:
-                    cut, reason = len(new_token_ids), None  # stock termination
-                dropped = len(new_token_ids) - cut
-                if dropped:
-                    if not stale:
-                        request.num_computed_tokens -= dropped
-                        if request.num_output_placeholders > 0:
-                            request.num_output_placeholders -= dropped
-                    del new_token_ids[cut:]
-            if series == "0.32":
+            so_req = request.structured_output_request
+            if so_req is None:  # unstructured
+                if not v032:
+                    return original(self, request, new_token_ids, is_stale)
                 returned = len(new_token_ids)
-                kept, stopped = original(self, request, new_token_ids, is_stale)
-                trimmed = returned - len(kept)
-                if stopped and trimmed and not stale:
-                    # As 0.33 does: num_computed_tokens covers all kept tokens
-                    # but the last one; placeholders of trimmed tokens resolve.
+                kept, stopped = original(self, request, new_token_ids,
+                                         is_stale)
+                if stopped and len(kept) < returned and \
+                        not (is_stale or self.__dict__.get(STALE_ATTR, False)):
+                    # As 0.33 does: num_computed_tokens covers all kept
+                    # tokens but the last; trimmed placeholders resolve.
+                    trimmed = returned - len(kept)
                     request.num_computed_tokens -= trimmed
                     if request.num_output_placeholders > 0:
                         request.num_output_placeholders -= trimmed
-            else:
-                kept, stopped = original(self, request, new_token_ids, is_stale)
+                return kept, stopped
+            manager = self.structured_output_manager
+            grammar = so_req.grammar
+            n = len(new_token_ids)
+            if getattr(type(manager).accept_tokens, NAME_ATTR, None) \
+                    == ACCEPT_PATCH:
+                cut, reason, rejected, gs, advanced = advance_cut(
+                    manager, request, grammar, new_token_ids)
+            else:  # validate-only fallback: stock accepts afterwards
+                cut, reason, rejected = grammar_cut(manager, request,
+                                                    new_token_ids)
+                gs, advanced = cut, 0
+            if reason == TERMINATED and \
+                    not envs.settings().stop_on_grammar_termination:
+                # Stock termination: undo the advance, stock accepts all.
+                if advanced:
+                    grammar.rollback(advanced)
+                    advanced = 0
+                cut, reason = n, None
+            if cut < n:
+                if not (is_stale or self.__dict__.get(STALE_ATTR, False)):
+                    dropped = n - cut
+                    request.num_computed_tokens -= dropped
+                    if request.num_output_placeholders > 0:
+                        request.num_output_placeholders -= dropped
+                del new_token_ids[cut:]
+            kept, stopped = original(self, request, new_token_ids, is_stale)
+            if v032 and stopped and len(kept) < cut and \
+                    not (is_stale or self.__dict__.get(STALE_ATTR, False)):
+                # 0.32, as 0.33 does: a stop trim rolls back
+                # num_computed_tokens; placeholders of trimmed tokens resolve.
+                trimmed = cut - len(kept)
+                request.num_computed_tokens -= trimmed
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= trimmed
+            if advanced:
+                kept_len = len(kept)
+                if kept_len < cut:
+                    # Stock stopped earlier (max_tokens, stop token, ...):
+                    # the grammar keeps only the kept grammar tokens.
+                    keep = max(kept_len - gs, 0)
+                    grammar.rollback(advanced - keep)
+                    advanced = keep
+                if advanced:
+                    if len(ACCEPTED) > 4096:  # never consumed: cannot happen
+                        ACCEPTED.clear()
+                    ACCEPTED[id(kept)] = kept
             if reason is not None and not stopped:
                 _finish(self, request, kept, reason, rejected)
                 stopped = True
@@ -219,11 +379,12 @@ def _make_spec_stats(original):
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens,
                                  num_accepted_tokens, num_invalid_spec_tokens,
                                  request_id):
-        real = num_draft_tokens
-        if num_invalid_spec_tokens:
-            real -= num_invalid_spec_tokens.get(request_id, 0)
-        if num_accepted_tokens > real:
-            num_accepted_tokens = max(real, 0)
+        # Without invalidated drafts accepted <= drafts holds (the runner
+        # returns at most drafts + 1 tokens): nothing to cap.
+        if num_invalid_spec_tokens and request_id in num_invalid_spec_tokens:
+            real = num_draft_tokens - num_invalid_spec_tokens[request_id]
+            if num_accepted_tokens > real:
+                num_accepted_tokens = max(real, 0)
         return original(self, spec_decoding_stats, num_draft_tokens,
                         num_accepted_tokens, num_invalid_spec_tokens, request_id)
 
@@ -232,8 +393,10 @@ def _make_spec_stats(original):
 
 _UPDATE_SIG = ("self", "request", "new_token_ids", "is_stale")
 _TARGET = "vllm.v1.core.sched.scheduler:Scheduler._update_request_with_output"
-_HOW = ("wrap _update_request_with_output: validate the step's tokens against "
-        "the grammar (after the reasoning split) before the stock append loop, "
+_HOW = ("wrap _update_request_with_output: advance the grammar over the step's "
+        "tokens (after the reasoning split) up to the terminal / before the "
+        "first rejected token, before the stock append loop (stock's later "
+        "accept of those tokens becomes a no-op: g2-accept-once), "
         "delete the tokens after the terminal / from the first rejected token "
         "in place, roll back num_computed_tokens and num_output_placeholders "
         "by the dropped count, then finish the request in the same pass "

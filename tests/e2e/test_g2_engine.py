@@ -1,0 +1,179 @@
+"""G2 end to end: a real vLLM 0.32 engine on the CPU (in-process engine
+core), the tiny local model with itself as `draft_model` (greedy: drafts are
+accepted ~100 %, so multi-token steps cross the grammar's end), k = 3 and 5,
+xgrammar and guidance, JSON schema / choice / regex requests with and
+without ignore_eos, logprobs on.
+
+Patched: every structured output is complete and valid (json.loads +
+jsonschema; full match for regex/choice), its last token is the grammar's
+terminal and nothing follows it, finish_reason "stop", one logprob row per
+token, spec-decode accepted <= drafted; unstructured outputs are identical
+to stock (a second, unpatched engine in the same process). Stock
+(VLLM_PATCH_DISABLE=1): the ignore_eos requests show the failure G2 removes
+(tokens after the grammar's end / finish_reason "length" / invalid output);
+the requests without ignore_eos are right on stock too (control).
+
+Each run prints one `G2-E2E` line per configuration with the counts.
+
+    python -m pytest tests/e2e/test_g2_engine.py -m e2e -q -s
+    VLLM_PATCH_DISABLE=1 python -m pytest tests/e2e/test_g2_engine.py -m e2e -q -s
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import pytest
+
+from vllm_patch.testing import engine, tiny_model
+
+pytestmark = pytest.mark.e2e
+
+TERMINALS = {tiny_model.EOS, tiny_model.IM_END}  # tokenizer / gen-config EOS
+CHOICES = ["yes", "no", "maybe"]
+REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
+MAX_TOKENS = 80
+
+
+def _structured_requests():
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams as SO
+
+    kinds = {"json": SO(json=engine.JSON_SCHEMA), "choice": SO(choice=CHOICES),
+             "regex": SO(regex=REGEX)}
+    out = []
+    for ignore_eos in (True, False):
+        for kind, so in kinds.items():
+            for prompt in engine.PROMPTS:
+                out.append(((kind, ignore_eos), prompt, SamplingParams(
+                    temperature=0, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos,
+                    logprobs=1, structured_outputs=so)))
+    return out
+
+
+def _unstructured_requests():
+    from vllm import SamplingParams
+
+    return [(("plain", ie), p, SamplingParams(temperature=0, max_tokens=48,
+                                              ignore_eos=ie, logprobs=1))
+            for ie in (True, False) for p in engine.PROMPTS]
+
+
+def _valid(kind: str, text: str) -> bool:
+    import jsonschema
+
+    try:
+        if kind == "json":
+            jsonschema.validate(json.loads(text), engine.JSON_SCHEMA)
+            return True
+        if kind == "choice":
+            return text in CHOICES
+        return re.fullmatch(REGEX, text) is not None
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def _post_grammar(token_ids) -> int:
+    """Tokens after the first terminal (the grammar's end)."""
+    for i, t in enumerate(token_ids):
+        if t in TERMINALS:
+            return len(token_ids) - i - 1
+    return 0
+
+
+def _generate(llm, reqs):
+    before = engine.spec_decode_counts(llm)
+    outs = llm.generate([p for _, p, _ in reqs], [sp for _, _, sp in reqs],
+                        use_tqdm=False)
+    return outs, engine.counts_delta(engine.spec_decode_counts(llm), before)
+
+
+def _start(backend: str, k: int):
+    target = tiny_model.build_target()
+    return engine.start_llm(
+        speculative_config={"method": "draft_model", "model": str(target),
+                            "num_speculative_tokens": k},
+        structured_outputs_config={"backend": backend,
+                                   "disable_any_whitespace": True})
+
+
+def _plain_summary(outs):
+    return [(tuple(o.outputs[0].token_ids), o.outputs[0].finish_reason,
+             o.outputs[0].stop_reason,
+             tuple(round(next(iter(row.values())).logprob, 4)
+                   for row in (o.outputs[0].logprobs or [])))
+            for o in outs]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("k", [3, 5])
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_g2_engine(backend, k, patched, inproc):
+    structured = _structured_requests()
+    plain = _unstructured_requests()
+    llm = _start(backend, k)
+    try:
+        outs, spec = _generate(llm, structured)
+        plain_outs, plain_spec = _generate(llm, plain)
+    finally:
+        engine.stop_llm(llm)
+
+    counts = collections.Counter()
+    finish = collections.Counter()
+    problems = {True: [], False: []}  # by ignore_eos
+    for ((kind, ignore_eos), prompt, _), out in zip(structured, outs):
+        c = out.outputs[0]
+        post = _post_grammar(c.token_ids)
+        ok = _valid(kind, c.text)
+        finish[(ignore_eos, c.finish_reason)] += 1
+        counts["valid"] += ok
+        counts["post_grammar_tokens"] += post
+        counts["requests"] += 1
+        bad = []
+        if not ok:
+            bad.append(f"invalid {c.text[:60]!r}")
+        if post:
+            bad.append(f"{post} token(s) after the grammar's end")
+        if c.finish_reason != "stop":
+            bad.append(f"finish_reason {c.finish_reason}")
+        if not c.token_ids or c.token_ids[-1] not in TERMINALS:
+            bad.append("last token is not the grammar's terminal")
+        if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
+            bad.append(f"logprob rows {len(c.logprobs or [])} != tokens "
+                       f"{len(c.token_ids)}")
+        if bad:
+            problems[ignore_eos].append(f"{kind} {prompt!r}: {'; '.join(bad)}")
+    print(f"\nG2-E2E {'patched' if patched else 'stock'} {backend} k={k}: "
+          f"valid {counts['valid']}/{counts['requests']}, post-grammar tokens "
+          f"{counts['post_grammar_tokens']}, finish (ignore_eos, reason) "
+          f"{dict(sorted(finish.items(), key=str))}, spec structured "
+          f"{spec['accepted']}/{spec['draft_tokens']} accepted/drafted "
+          f"(per pos {spec['per_pos']}), unstructured "
+          f"{plain_spec['accepted']}/{plain_spec['draft_tokens']}")
+
+    # Without ignore_eos stock already stops at the terminal (control).
+    assert problems[False] == []
+    assert spec["accepted"] <= spec["draft_tokens"]
+    if not patched:
+        assert problems[True], "stock vLLM unexpectedly holds G2 end to end"
+        return
+    assert problems[True] == []
+    # Multi-token steps happened (else the test proves little).
+    assert plain_spec["draft_tokens"] > 0 and plain_spec["acceptance"] >= 0.9
+
+    # Unstructured requests: identical to an unpatched engine.
+    import vllm_patch
+    from vllm_patch import patching
+
+    patching.revert_all()
+    try:
+        stock = _start(backend, k)
+        try:
+            stock_outs, _ = _generate(stock, plain)
+        finally:
+            engine.stop_llm(stock)
+    finally:
+        vllm_patch.register()
+    assert _plain_summary(plain_outs) == _plain_summary(stock_outs)
