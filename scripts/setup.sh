@@ -44,6 +44,14 @@ if ! "$py" -c "import pytest, pytest_timeout, hypothesis, jsonschema" 2>/dev/nul
   timeout 600 "$py" -m pip --disable-pip-version-check install -q \
     pytest pytest-timeout hypothesis jsonschema
 fi
+if ! "$py" -c "import nixl._api" 2>/dev/null; then
+  # NIXL for the NixlConnector P/D tests. --no-deps: its metadata asks for a
+  # CUDA build (nixl-cu13) and would pull a CUDA torch; the cu12 wheel's UCX
+  # DRAM transport runs on the CPU here.
+  say "installing nixl 1.5.1 (NixlConnector on the CPU)"
+  timeout 600 "$py" -m pip --disable-pip-version-check install -q --no-deps \
+    nixl==1.5.1 nixl-cu12==1.5.1
+fi
 if ! "$py" -c "import importlib.metadata as m, sys; \
 eps=[e for e in m.entry_points(group='vllm.general_plugins') if e.name=='vllm_patch']; \
 sys.exit(0 if eps and m.version('vllm-patch') else 1)" 2>/dev/null \

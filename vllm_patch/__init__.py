@@ -21,6 +21,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_patch.v1.core.sched.scheduler",
     "vllm_patch.v1.core.sched.async_scheduler",
     "vllm_patch.v1.core.sched.inflight",
+    "vllm_patch.v1.core.sched.kv_overlap",
     "vllm_patch.v1.metrics.stats",
     "vllm_patch.v1.structured_output",
     "vllm_patch.v1.structured_output.manager_accept",

@@ -56,7 +56,12 @@ KNOWN_LIMITS: dict[str, tuple[str, ...]] = {
         "drafts are still proposed (and discarded) in the step in which a "
         "grammar terminates: no draft compute is saved yet",
     ),
-    "G4": (),
+    "G4": (
+        "the KV load overlaps grammar compilation only for connectors that "
+        "pull asynchronously (do_remote_prefill, e.g. NixlConnector); "
+        "ExampleConnector loads synchronously and keeps the stock order",
+        "a prefill instance dying mid-request is not tested yet",
+    ),
 }
 
 # Ids that are not guarantees: package infrastructure and test-only switches.

@@ -32,6 +32,7 @@ SCENARIO_MODULES: tuple[str, ...] = (
     "vllm_patch.conformance.g1",
     "vllm_patch.conformance.g2",
     "vllm_patch.conformance.g3",
+    "vllm_patch.conformance.g4",
 )
 
 

@@ -1,0 +1,39 @@
+"""G4 end to end with NixlConnector on the CPU (kv_buffer_device "cpu", UCX
+over DRAM between two processes on 127.0.0.1): the same P/D pair, workload
+and checks as test_pd_example.py, with the async `WAITING_FOR_REMOTE_KVS`
+path that ExampleConnector never takes. Needs `nixl` importable
+(`pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1` next to the CPU torch).
+
+    python -m pytest tests/e2e/test_pd_nixl.py -m e2e -q -s
+    VLLM_PATCH_DISABLE=1 python -m pytest tests/e2e/test_pd_nixl.py -m e2e -q -s
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_pd_example import (  # noqa: F401  (collected here with this module's `pd`)
+    ASYNC,
+    test_pd_bad_input,
+    test_pd_client_disconnect,
+    test_pd_kv_equals_local,
+    test_pd_structured,
+)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    pytest.importorskip("nixl._api", reason="nixl not installed")
+    from vllm_patch.pd.launch import PDConfig, PDPair, free_port
+
+    storage = tmp_path_factory.mktemp("pd-nixl")
+    cfg = PDConfig(
+        storage=str(storage), connector="NixlConnector", spec_k=3, force_async=ASYNC,
+        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
+        role_env={"prefill": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                  "decode": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}},
+        extra_connector_config={"kv_lease_duration": 300})
+    with PDPair(cfg) as pair:
+        yield pair

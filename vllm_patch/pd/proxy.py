@@ -1,0 +1,225 @@
+"""Minimal P/D router for vLLM's OpenAI server (aiohttp).
+
+Why not PyPI `vllm-router` (0.1.17, checked): it is a Rust extension
+(`vllm_router_rs.abi3.so`, 24 MB) that parses requests into its own typed
+structs and re-serialises them, supports `--kv-connector nixl|mooncake|moriio`
+only, and we cannot patch or trace it; every vLLM request field it does not
+model (structured-output options, ignore_eos, return_token_ids, ...) is at
+its mercy. This proxy forwards the client's JSON untouched except for the
+P/D fields, so every structured-output form reaches both instances as vLLM
+parses it, and a 4xx from either instance (e.g. an invalid JSON schema)
+reaches the client byte for byte.
+
+Flow per POST /v1/completions or /v1/chat/completions:
+1. prefill: the request with max_tokens=1 (max_completion_tokens=1 for chat),
+   stream=False, no stream_options/min_tokens, and
+   kv_transfer_params={"do_remote_decode": True, ...} (NixlConnector reads
+   it; ExampleConnector ignores it and keys the KV by prompt hash);
+2. a non-200 prefill answer is returned to the client unchanged;
+3. decode: the original request plus the kv_transfer_params the prefill
+   instance returned (if any); streaming is passed through chunk by chunk.
+   A client disconnect closes the decode connection, so vLLM aborts there.
+
+GET /health: 200 when both instances answer /health with 200.
+GET /metrics: the instances' metrics, each line labelled pd_role="prefill|decode".
+
+    python -m vllm_patch.pd.proxy --prefill http://127.0.0.1:8100 \
+        --decode http://127.0.0.1:8200 --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import itertools
+import json
+import logging
+import uuid
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, web
+
+logger = logging.getLogger("vllm_patch.pd.proxy")
+
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+_FORWARD_HEADERS = ("authorization", "x-request-id")
+
+
+def prefill_body(body: dict, chat: bool) -> dict:
+    p = copy.deepcopy(body)
+    p["max_tokens"] = 1
+    if chat and "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    for k in ("stream_options", "min_tokens"):
+        p.pop(k, None)
+    p["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return p
+
+
+def decode_body(body: dict, kv_transfer_params: dict | None) -> dict:
+    d = dict(body)
+    if kv_transfer_params:
+        d["kv_transfer_params"] = kv_transfer_params
+    else:
+        d.pop("kv_transfer_params", None)
+    return d
+
+
+class Router:
+    def __init__(self, prefill: list[str], decode: list[str],
+                 timeout_s: float = 600.0) -> None:
+        self.prefill = [u.rstrip("/") for u in prefill]
+        self.decode = [u.rstrip("/") for u in decode]
+        self._p = itertools.cycle(self.prefill)
+        self._d = itertools.cycle(self.decode)
+        self.timeout = ClientTimeout(total=timeout_s)
+        self.session: ClientSession | None = None
+        self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0}
+
+    async def start(self, app: web.Application) -> None:
+        self.session = ClientSession(timeout=self.timeout)
+
+    async def close(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.close)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._pd(request, "/v1/completions", chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._pd(request, "/v1/chat/completions", chat=True)
+
+    async def _pd(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        try:
+            return await self._pd_inner(request, path, chat)
+        except ClientError as e:  # an instance is down / went away mid-request
+            self.counts["upstream_errors"] = self.counts.get("upstream_errors", 0) + 1
+            return web.json_response({"error": {
+                "message": f"P/D upstream error: {type(e).__name__}: {e}",
+                "type": "BadGatewayError", "code": 502}}, status=502)
+
+    async def _pd_inner(self, request: web.Request, path: str,
+                        chat: bool) -> web.StreamResponse:
+        assert self.session is not None
+        self.counts["requests"] += 1
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("request body must be a JSON object")
+        except ValueError as e:
+            return web.json_response(
+                {"error": {"message": f"invalid JSON body: {e}", "type": "BadRequestError",
+                           "code": 400}}, status=400)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
+        headers.setdefault("X-Request-Id", f"pd-{uuid.uuid4().hex}")
+
+        # 1. prefill
+        async with self.session.post(next(self._p) + path, json=prefill_body(body, chat),
+                                     headers=headers) as resp:
+            pbytes = await resp.read()
+            if resp.status != 200:
+                self.counts["prefill_errors"] += 1
+                return web.Response(status=resp.status, body=pbytes,
+                                    content_type=resp.content_type)
+        try:
+            kv_params = json.loads(pbytes).get("kv_transfer_params")
+        except ValueError:
+            kv_params = None
+
+        # 2. decode: the original request (+ params); stream passed through
+        async with self.session.post(next(self._d) + path, json=decode_body(body, kv_params),
+                                     headers=headers) as resp:
+            if resp.status != 200 or not body.get("stream"):
+                data = await resp.read()
+                if resp.status != 200:
+                    self.counts["decode_errors"] += 1
+                return web.Response(status=resp.status, body=data,
+                                    content_type=resp.content_type)
+            out = web.StreamResponse(status=200, headers={
+                "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+            await out.prepare(request)
+            try:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)  # raises on client disconnect -> closes resp
+            except ClientError:  # decode instance went away mid-stream: end it
+                self.counts["decode_errors"] += 1
+            await out.write_eof()
+            return out
+
+    async def _get(self, url: str) -> tuple[int, str]:
+        assert self.session is not None
+        try:
+            async with self.session.get(url, timeout=ClientTimeout(total=10)) as r:
+                return r.status, await r.text()
+        except (OSError, asyncio.TimeoutError) as e:
+            return 599, str(e)
+
+    async def health(self, request: web.Request) -> web.Response:
+        urls = self.prefill + self.decode
+        res = await asyncio.gather(*(self._get(u + "/health") for u in urls))
+        ok = all(s == 200 for s, _ in res)
+        return web.json_response({u: s for u, (s, _) in zip(urls, res)},
+                                 status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        parts = []
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            for i, u in enumerate(urls):
+                s, text = await self._get(u + "/metrics")
+                if s == 200:
+                    parts.append(label_metrics(text, role, i))
+        return web.Response(text="\n".join(parts), content_type="text/plain")
+
+
+def label_metrics(text: str, role: str, index: int) -> str:
+    lab = f'pd_role="{role}",pd_index="{index}"'
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition(" ")
+        if "{" in name:
+            name = name.replace("{", "{" + lab + ",", 1)
+        else:
+            name = name + "{" + lab + "}"
+        out.append(f"{name} {rest}")
+    return "\n".join(out)
+
+
+def make_app(prefill: list[str], decode: list[str]) -> web.Application:
+    return Router(prefill, decode).app()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prefill", action="append", required=True)
+    ap.add_argument("--decode", action="append", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    web.run_app(make_app(a.prefill, a.decode), host=a.host, port=a.port,
+                access_log=None)
+
+
+if __name__ == "__main__":
+    main()

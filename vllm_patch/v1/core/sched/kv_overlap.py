@@ -1,0 +1,188 @@
+"""G4 (gap F) for vllm.v1.core.sched.scheduler: on a P/D decode instance,
+start the remote KV load while the request's grammar compiles.
+
+Stock (0.32 and 0.33): `Scheduler._handle_blocked_waiting_request` keeps a
+structured-output request in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until its
+grammar future is done, and only then does `schedule()` ask the connector
+for the remote KV (`get_num_new_matched_tokens`), allocate the blocks and
+start the load (disagg audit, gap F). Compile time and transfer time add up.
+
+Patched, for a request that carries `kv_transfer_params.do_remote_prefill`
+(NixlConnector-style async pull) and whose grammar is still compiling:
+
+1. `_handle_blocked_waiting_request` lets it through to the connector lookup
+   while its status stays WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR (mark
+   "lookup");
+2. the connector's `get_num_new_matched_tokens` (wrapped per scheduler
+   instance) keeps the lookup only when it is an async load of > 0 tokens
+   (mark "loading"); anything else returns `(None, False)`, which stock
+   `schedule()` treats as "cannot decide yet: skip this step" before any
+   block is allocated, and the request falls back to the stock order (mark
+   "stock");
+3. stock code allocates, calls `update_state_after_alloc`, and parks the
+   request in WAITING_FOR_REMOTE_KVS: the load runs while the grammar
+   compiles;
+4. when the KV has arrived, stock promotes it to WAITING; if the grammar is
+   still compiling (or failed) the wrapper puts it back into
+   WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR, so it is never scheduled before
+   both are done, and a compile failure is reported by stock code
+   (FINISHED_ERROR, blocks freed by `_free_request`).
+
+Safety net (per-scheduler wrap of the connector's `update_state_after_alloc`,
+no registry patch: `schedule()` already carries g1-gate-schedule): a marked
+request that stock code schedules without the async load (a path that
+cleared `load_kv_async` after the lookup) blocks on its grammar future
+before the step's bitmask is built.
+Blocks are allocated and freed only by stock code, so abort / failed load
+(both `kv_load_failure_policy` values) / compile failure go through the
+same freeing paths as stock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_patch.patching import Patch
+
+logger = logging.getLogger("vllm_patch")
+
+MARK = "_vllm_patch_kv_overlap"          # on the Request: lookup|loading|stock
+WRAPPED = "_vllm_patch_kv_overlap_wrapped"  # on the connector instance
+STATS = "_vllm_patch_kv_overlap_stats"    # on the scheduler: counters
+UPSTREAM = ("vLLM disagg audit gap F (../shared/research/vllm-disagg-audit.md); "
+            "no upstream PR yet")
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler."
+_BOTH = ("0.32", "0.33")
+
+
+def _status():
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus
+
+
+def _wants_remote_prefill(request: Any) -> bool:
+    params = getattr(request, "kv_transfer_params", None)
+    return bool(isinstance(params, dict) and params.get("do_remote_prefill"))
+
+
+def _grammar_state(request: Any) -> str:
+    """ready | failed | pending"""
+    so = request.structured_output_request
+    if so is None:
+        return "ready"
+    g = so.grammar  # resolves a done future
+    if g is None:
+        return "pending"
+    return "failed" if isinstance(g, Exception) else "ready"
+
+
+def _stats(sched: Any) -> dict[str, int]:
+    st = sched.__dict__.get(STATS)
+    if st is None:
+        st = sched.__dict__[STATS] = {"overlapped": 0, "fallback": 0,
+                                      "kv_before_grammar": 0, "grammar_wait_net": 0}
+    return st
+
+
+def _wrap_connector(sched: Any, connector: Any) -> None:
+    if connector is None or getattr(connector, WRAPPED, False):
+        return
+    original = connector.get_num_new_matched_tokens
+
+    def get_num_new_matched_tokens(request, num_computed_tokens, *a, **kw):
+        n, load_async = original(request, num_computed_tokens, *a, **kw)
+        if getattr(request, MARK, None) == "lookup":
+            if n is not None and n > 0 and load_async:
+                setattr(request, MARK, "loading")
+                st = _stats(sched)
+                st["overlapped"] += 1
+                if st["overlapped"] == 1:
+                    logger.info("vllm_patch G4: remote KV load of %s (%d tokens) "
+                                "requested while its grammar compiles (gap F "
+                                "overlap; logged once)", request.request_id, n)
+            else:
+                # Not an async pull: nothing allocated yet; wait for the
+                # grammar the stock way.
+                setattr(request, MARK, "stock")
+                _stats(sched)["fallback"] += 1
+                return None, False
+        return n, load_async
+
+    original_alloc = connector.update_state_after_alloc
+
+    def update_state_after_alloc(request, blocks, num_external_tokens, *a, **kw):
+        if getattr(request, MARK, None) == "loading" and not num_external_tokens:
+            # A stock path cleared the async load after the lookup and is
+            # scheduling the request now: it must not run before its grammar.
+            setattr(request, MARK, "stock")
+            _stats(sched)["grammar_wait_net"] += 1
+            so = request.structured_output_request
+            fut = getattr(so, "_grammar", None) if so is not None else None
+            if hasattr(fut, "result"):
+                try:
+                    fut.result()
+                except Exception:  # noqa: BLE001 - stock code reports it
+                    pass
+        return original_alloc(request, blocks, num_external_tokens, *a, **kw)
+
+    connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+    connector.update_state_after_alloc = update_state_after_alloc
+    setattr(connector, WRAPPED, True)
+
+
+def _make_handle_blocked(original):
+    def _handle_blocked_waiting_request(self, request):
+        RS = _status()
+        mark = getattr(request, MARK, None)
+        if (mark in ("lookup", "loading")
+                and request.status == RS.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                and request.num_computed_tokens == 0):
+            # the lookup never reached the connector, or the request was
+            # skipped (budget / blocks) before allocation: try again
+            setattr(request, MARK, None)
+            mark = None
+        if (mark is None
+                and request.status == RS.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+                and getattr(self, "connector", None) is not None
+                and request.num_computed_tokens == 0
+                and _wants_remote_prefill(request)
+                and _grammar_state(request) == "pending"):
+            _wrap_connector(self, self.connector)
+            setattr(request, MARK, "lookup")
+            return True  # status stays WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+        ok = original(self, request)
+        if (ok and mark == "loading"
+                and request.status in (RS.WAITING, RS.PREEMPTED)
+                and _grammar_state(request) != "ready"):
+            # KV arrived first: wait for the grammar (a failed compile is
+            # recorded by the stock GRAMMAR branch on the next step).
+            request.status = RS.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            _stats(self)["kv_before_grammar"] += 1
+            setattr(request, MARK, "stock")
+            return False
+        if ok and mark == "loading":
+            setattr(request, MARK, "stock")
+        return ok
+
+    return _handle_blocked_waiting_request
+
+
+PATCHES: list[Patch] = [
+    Patch(
+        name="g4-kv-load-during-compile",
+        guarantee="G4",
+        target=_SCHED + "_handle_blocked_waiting_request",
+        versions=_BOTH,
+        signature=("self", "request"),
+        make=_make_handle_blocked,
+        why=("gap F: the decode side asks the connector for the remote KV only "
+             "after the grammar compiled, so compile time adds to the transfer"),
+        how=("let a do_remote_prefill request with a compiling grammar reach the "
+             "connector lookup (async loads only); after the KV arrived, hold it "
+             "in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the grammar is done"),
+        upstream=UPSTREAM,
+        remove_when="vLLM starts the remote KV pull before the grammar is ready",
+    ),
+]
