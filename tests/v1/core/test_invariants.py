@@ -23,16 +23,26 @@ def test_patches_opt_in(monkeypatch):
         assert p.enabled(s) is (not s.disable)
     if s.disable:
         return
+    applied = {p.name for p in inv.PATCHES
+               if (o := patching.REGISTRY.outcomes.get(p.name)) is not None
+               and o.state is patching.State.APPLIED}
     try:
         outcomes = [patching.apply_patch(p, s) for p in inv.PATCHES]
         assert all(o.state is patching.State.APPLIED for o in outcomes), outcomes
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        assert getattr(Scheduler.update_from_output, patching.NAME_ATTR) \
+        assert getattr(Scheduler.__init__, patching.NAME_ATTR) \
             == inv.CHECK_PATCH
+        # Every scheduler built from now on is checked (instance wrappers;
+        # the class methods stay G1's alone).
+        h = Harness("xgrammar")
+        assert inv._ATTR in h.scheduler.__dict__  # noqa: SLF001
+        assert "update_from_output" in h.scheduler.__dict__
+        assert "_update_after_schedule" in h.scheduler.__dict__
     finally:
         for p in inv.PATCHES:
-            patching.revert_patch(p.name)
+            if p.name not in applied:  # leave the session's checker on
+                patching.revert_patch(p.name)
 
 
 def _post_terminal_run(h: Harness):

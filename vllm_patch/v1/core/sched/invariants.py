@@ -152,6 +152,9 @@ class Checker:
         self.shadows: dict[str, _Shadow | None] = {}
         self.reported: set[tuple[str | None, str]] = set()
         self.checks = 0
+        self.busy_update = False
+        self.busy_track = False
+        self.errored = False
 
     # ----------------------------------------------------------- violations
     def violate(self, invariant: str, req: Any, detail: str) -> None:
@@ -224,6 +227,23 @@ class Checker:
                 self.inflight_tokens.pop(rid, None)
 
     # -------------------------------------------------------------- checks
+    def safe_after_update(self, scheduler_output: Any, before: dict[str, Any],
+                          outputs: dict[int, Any]) -> None:
+        """A checker error never breaks serving: only violations raise (in
+        "raise" mode); an internal error is logged once and the step goes
+        on (raised in "raise" mode, so tests see it)."""
+        try:
+            self.after_update(scheduler_output, before, outputs)
+        except InvariantViolation:
+            raise
+        except Exception:  # noqa: BLE001
+            if self.mode == "raise":
+                raise
+            if not self.errored:
+                self.errored = True
+                logger.exception("vllm_patch invariant checker failed; "
+                                 "scheduling is unaffected")
+
     def after_update(self, scheduler_output: Any, before: dict[str, Any],
                      outputs: dict[int, Any]) -> None:
         self.checks += 1
@@ -448,38 +468,69 @@ def _snapshot(self: Any, scheduler_output: Any) -> dict[str, Any]:
             if rid in reqs}
 
 
-def _make_update(original: Any) -> Any:
-    def update_from_output(self, scheduler_output, model_runner_output):
-        before = _snapshot(self, scheduler_output)
-        outputs = original(self, scheduler_output, model_runner_output)
-        checker(self).after_update(scheduler_output, before, outputs)
+# The checker observes a scheduler through per-instance wrappers of
+# `update_from_output` and `_update_after_schedule` (instance attributes),
+# never by wrapping those class attributes: the G1 patches own them, and a
+# second class-level wrapper stacked on a G1 wrapper breaks the registry's
+# one-wrapper-per-attribute model (register() after a revert re-wrapped G1
+# on top of the checker: two G1 FIFO entries per step). Each wrapper looks
+# the class method up at call time, so later class patches / reverts apply,
+# and never runs twice for one call (re-entrancy guard).
+_WRAPPED = "_vllm_patch_invariant_wrapped"
+
+
+def _update_wrapper(scheduler: Any) -> Any:
+    def update_from_output(scheduler_output, model_runner_output):
+        c = checker(scheduler)
+        method = type(scheduler).update_from_output
+        if c.busy_update:
+            return method(scheduler, scheduler_output, model_runner_output)
+        c.busy_update = True
+        try:
+            before = _snapshot(scheduler, scheduler_output)
+            outputs = method(scheduler, scheduler_output, model_runner_output)
+        finally:
+            c.busy_update = False
+        c.safe_after_update(scheduler_output, before, outputs)
         return outputs
 
     return update_from_output
 
 
-def _make_track(original: Any) -> Any:
-    def _update_after_schedule(self, scheduler_output):
-        original(self, scheduler_output)
-        checker(self).launched_step(scheduler_output)
+def _track_wrapper(scheduler: Any) -> Any:
+    def _update_after_schedule(scheduler_output):
+        c = checker(scheduler)
+        method = type(scheduler)._update_after_schedule  # noqa: SLF001
+        if c.busy_track:
+            return method(scheduler, scheduler_output)
+        c.busy_track = True
+        try:
+            method(scheduler, scheduler_output)
+        finally:
+            c.busy_track = False
+        c.launched_step(scheduler_output)
 
     return _update_after_schedule
 
 
 def instrument(scheduler: Any) -> Checker:
-    """Check one scheduler instance without the class patches (by
-    composition: instance attributes). No-op if the patches are applied."""
-    from vllm_patch.patching import NAME_ATTR
-
+    """Check one scheduler instance (instance attributes; idempotent).
+    `invariants-check` calls it at the end of every `Scheduler.__init__`."""
     c = checker(scheduler)
-    cls = type(scheduler)
-    if getattr(cls.update_from_output, NAME_ATTR, None) != CHECK_PATCH:
-        orig = cls.update_from_output
-        scheduler.update_from_output = _make_update(orig).__get__(scheduler)
-    if getattr(cls._update_after_schedule, NAME_ATTR, None) != TRACK_PATCH:  # noqa: SLF001
-        orig2 = cls._update_after_schedule  # noqa: SLF001
-        scheduler._update_after_schedule = _make_track(orig2).__get__(scheduler)  # noqa: SLF001
+    d = scheduler.__dict__
+    if not d.get(_WRAPPED):
+        d["update_from_output"] = _update_wrapper(scheduler)
+        d["_update_after_schedule"] = _track_wrapper(scheduler)
+        d[_WRAPPED] = True
     return c
+
+
+def _make_init(original: Any) -> Any:
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        instrument(self)
+
+    return __init__
 
 
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler."
@@ -493,25 +544,21 @@ _COMMON = dict(
 
 PATCHES: list[Patch] = [
     Patch(
-        name=TRACK_PATCH,
-        target=_SCHED + "_update_after_schedule",
-        signature=("self", "scheduler_output"),
-        make=_make_track,
-        why="the checker needs, per request, the launched steps not yet "
-            "applied (placeholders must be 0 when none is in flight)",
-        how="count request ids of every scheduler output after schedule()",
-        **_COMMON,
-    ),
-    Patch(
         name=CHECK_PATCH,
-        target=_SCHED + "update_from_output",
-        signature=("self", "scheduler_output", "model_runner_output"),
-        make=_make_update,
+        target=_SCHED + "__init__",
+        signature=("self", "vllm_config", "kv_cache_config",
+                   "structured_output_manager", "block_size",
+                   "hash_block_size", "mm_registry", "include_finished_set",
+                   "log_stats"),
+        make=_make_init,
         why="catch scheduler/grammar/KV invariant violations at runtime "
             "(VLLM_PATCH_CHECK_INVARIANTS=1)",
-        how="after every update_from_output: check counters, placeholders, "
-            "a shadow grammar over the committed output, logprob rows, "
-            "blocks of finished requests and, at idle, the block pool",
+        how="instrument every new scheduler (AsyncScheduler included) with "
+            "instance wrappers: count the request ids of every launched step "
+            "after _update_after_schedule; after every update_from_output "
+            "check counters, placeholders, a shadow grammar over the "
+            "committed output, logprob rows, blocks of finished requests "
+            "and, at idle, the block pool",
         **_COMMON,
     ),
 ]
