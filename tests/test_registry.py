@@ -386,3 +386,21 @@ def test_log_lines_visible_before_vllm_configured_logging():
         VLLM_PATCH_DISABLE="1")
     line = next(line for line in out.splitlines() if "VLLM_PATCH_DISABLE=1" in line)
     assert line.startswith("WARNING"), line
+
+
+def test_two_patches_on_one_attribute_are_refused():
+    """A second patch on an attribute another patch replaces (same vLLM
+    series) would be invisible to revert/re-apply: refused at load time."""
+    from vllm_patch.patching import Patch, Registry
+
+    def make(original):
+        return original
+
+    common = dict(guarantee="G1", signature=("self",), make=make, why="t",
+                  how="t", upstream="t", remove_when="t",
+                  target="vllm.v1.core.sched.scheduler:Scheduler.schedule")
+    reg = Registry()
+    reg.add(Patch(name="a", versions=("0.32",), **common))
+    reg.add(Patch(name="b", versions=("0.33",), **common))  # other series: fine
+    with pytest.raises(ValueError, match="both replace"):
+        reg.add(Patch(name="c", versions=("0.33",), **common))

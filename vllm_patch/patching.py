@@ -176,6 +176,17 @@ class Registry:
         existing = self.patches.get(patch.name)
         if existing is not None and existing is not patch:
             raise ValueError(f"two patches named {patch.name!r}")
+        # One patch per attribute and vLLM series: a second wrapper on top of
+        # another patch would hide it from revert and re-apply (the registry
+        # recognises a patch only as the outermost wrapper). Compose inside
+        # one patch instead.
+        for other in self.patches.values():
+            if (other is not patch and other.target == patch.target
+                    and set(other.versions) & set(patch.versions)):
+                raise ValueError(
+                    f"patches {other.name!r} and {patch.name!r} both replace "
+                    f"{patch.target} on vLLM {sorted(set(other.versions) & set(patch.versions))}"
+                )
         self.patches[patch.name] = patch
 
 
