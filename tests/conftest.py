@@ -28,3 +28,25 @@ vllm_patch.register()
 def patched() -> bool:
     """True when the patches are on; False for the stock (disabled) run."""
     return not envs.settings().disable
+
+
+@pytest.fixture
+def check_scenario(patched):
+    """Run a conformance scenario as a guarantee test: patched (and every
+    control) must hold; stock must show the failure the patch removes."""
+    from vllm_patch.patching import version_series, vllm_version
+
+    series = version_series(vllm_version())
+
+    def check(scenario) -> list[str]:
+        if series not in scenario.series:
+            pytest.skip(f"scenario is for vLLM {scenario.series}")
+        violations = scenario.run()
+        if patched or not scenario.stock_fails:
+            assert violations == []
+        else:
+            assert violations != [], (
+                f"stock vLLM unexpectedly holds {scenario.guarantee} here")
+        return violations
+
+    return check

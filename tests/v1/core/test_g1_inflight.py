@@ -13,22 +13,12 @@ import numpy as np
 import pytest
 
 from vllm_patch.conformance import g1
-from vllm_patch.patching import version_series, vllm_version
 
 pytestmark = pytest.mark.scheduler
 
-SERIES = version_series(vllm_version())
-
-
 @pytest.mark.parametrize("scenario", g1.SCENARIOS, ids=lambda s: s.name)
-def test_g1_scenario(scenario, patched):
-    if SERIES not in scenario.series:
-        pytest.skip(f"scenario is for vLLM {scenario.series}")
-    violations = scenario.run()
-    if patched or not scenario.stock_fails:
-        assert violations == []
-    else:
-        assert violations != [], "stock vLLM unexpectedly holds G1 here"
+def test_g1_scenario(scenario, check_scenario):
+    check_scenario(scenario)
 
 
 def _normal_async_run(spec: int):

@@ -18,14 +18,8 @@ SERIES = version_series(vllm_version())
 
 
 @pytest.mark.parametrize("scenario", g2.SCENARIOS, ids=lambda s: s.name)
-def test_g2_scenario(scenario, patched):
-    if SERIES not in scenario.series:
-        pytest.skip(f"scenario is for vLLM {scenario.series}")
-    violations = scenario.run()
-    if patched or not scenario.stock_fails:
-        assert violations == []
-    else:
-        assert violations != [], "stock vLLM unexpectedly holds G2 here"
+def test_g2_scenario(scenario, check_scenario):
+    check_scenario(scenario)
 
 
 def _unstructured_run():

@@ -13,22 +13,12 @@ from __future__ import annotations
 import pytest
 
 from vllm_patch.conformance import g3
-from vllm_patch.patching import version_series, vllm_version
 
 pytestmark = pytest.mark.scheduler
 
-SERIES = version_series(vllm_version())
-
-
 @pytest.mark.parametrize("scenario", g3.SCENARIOS, ids=lambda s: s.name)
-def test_g3_scenario(scenario, patched):
-    if SERIES not in scenario.series:
-        pytest.skip(f"scenario is for vLLM {scenario.series}")
-    violations = scenario.run()
-    if patched or not scenario.stock_fails:
-        assert violations == []
-    else:
-        assert violations != [], "stock vLLM unexpectedly holds G3 here"
+def test_g3_scenario(scenario, check_scenario):
+    check_scenario(scenario)
 
 
 def _full(h, row) -> bool:
