@@ -250,27 +250,9 @@ class _Model:
 
 class FuzzHarness(Harness):
     """The harness's engine loop, with sampled-token logprob rows in the
-    runner output (its `_engine_apply` sends none)."""
+    runner output."""
 
-    def _engine_apply(self, so: Any) -> None:
-        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
-
-        req_ids = list(so.num_scheduled_tokens)
-        sampled = so._vllm_patch_record.sampled  # noqa: SLF001
-        lists = [list(sampled.get(r, [])) for r in req_ids]
-        cu = [0]
-        for s in lists:
-            cu.append(cu[-1] + len(s))
-        n = cu[-1]
-        ids = np.array([[t] for s in lists for t in s],
-                       dtype=np.int64).reshape(n, 1)
-        lp = LogprobsLists(ids, np.full((n, 1), -0.5, dtype=np.float32),
-                           np.zeros(n, dtype=np.int64), cu[:-1])
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=lists, logprobs=lp)
-        self._collect(self.scheduler.update_from_output(so, out))
+    engine_logprobs = True
 
 
 def run_episode(spec: EpisodeSpec, raise_exceptions: bool = False) -> Result:

@@ -70,6 +70,35 @@ class StepRecord:
     raw_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
+def fake_runner_output(so: Any, sampled: dict[str, list[int]],
+                       logprobs: bool = False,
+                       kv_connector_output: Any = None) -> Any:
+    """The harness's one fake: the model runner's output for scheduler output
+    `so`. `sampled[req_id]` are the tokens the sampler returned for a request
+    (accepted drafts + bonus; none for an unlisted request, e.g. a prefill
+    chunk); with `logprobs`, one logprob row per token."""
+    from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    lists = [list(sampled.get(r, [])) for r in req_ids]
+    lp = None
+    if logprobs:
+        cu = [0]
+        for tokens in lists:
+            cu.append(cu[-1] + len(tokens))
+        n = cu[-1]
+        ids = np.array([[t] for tokens in lists for t in tokens],
+                       dtype=np.int64).reshape(n, 1)
+        lp = LogprobsLists(ids, np.full((n, 1), -0.5, dtype=np.float32),
+                           np.zeros(n, dtype=np.int64), cu[:-1])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=lists,
+        logprobs=lp,
+        kv_connector_output=kv_connector_output,
+    )
+
 class Harness:
     """A real scheduler driven by hand. See the module docstring."""
 
@@ -329,28 +358,9 @@ class Harness:
         `sampled` gives, per request, the tokens the sampler returned (accepted
         drafts + bonus); unlisted scheduled requests return nothing (prefill
         chunk)."""
-        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
-
         record: StepRecord = so._vllm_patch_record
         record.sampled = {k: list(v) for k, v in sampled.items()}
-        req_ids = list(so.num_scheduled_tokens)
-        sampled_lists = [list(sampled.get(r, [])) for r in req_ids]
-        lp = None
-        if logprobs:
-            cu = [0]
-            for s in sampled_lists:
-                cu.append(cu[-1] + len(s))
-            n = cu[-1]
-            ids = np.array([[t] for s in sampled_lists for t in s],
-                           dtype=np.int64).reshape(n, 1)
-            lp = LogprobsLists(ids, np.full((n, 1), -0.5, dtype=np.float32),
-                               np.zeros(n, dtype=np.int64), cu[:-1])
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled_lists,
-            logprobs=lp,
-        )
+        out = fake_runner_output(so, sampled, logprobs=logprobs)
         engine_outputs = self.scheduler.update_from_output(so, out)
         self._collect(engine_outputs)
         return engine_outputs
@@ -517,21 +527,19 @@ class Harness:
         rec.sampled = out
         self._last_sampled = so
 
-    def _engine_apply(self, so: Any) -> None:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    # Whether the engine-loop emulation sends one logprob row per token.
+    engine_logprobs = False
 
-        req_ids = list(so.num_scheduled_tokens)
-        sampled = so._vllm_patch_record.sampled
+    def _engine_apply(self, so: Any) -> None:
+        from vllm.v1.outputs import KVConnectorOutput
+
         kv = None
         failed, recompute = self._kv_fail.pop(id(so), (None, ()))
         if failed:
             kv = KVConnectorOutput(invalid_block_ids=failed)
-        out = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[list(sampled.get(r, [])) for r in req_ids],
-            kv_connector_output=kv,
-        )
+        out = fake_runner_output(so, so._vllm_patch_record.sampled,
+                                 logprobs=self.engine_logprobs,
+                                 kv_connector_output=kv)
         self._collect(self.scheduler.update_from_output(so, out))
         for rid in recompute:
             self.reset_worker_ctx(rid)
