@@ -20,7 +20,11 @@ from test_pd_example import (  # noqa: F401  (collected here with this module's 
     test_pd_structured,
 )
 
-pytestmark = pytest.mark.e2e
+# Opt-in (`-m nixl`), not in CI: the stock run of the real NIXL pair stalls
+# intermittently (a decode request waited >120 s for a 68 ms transfer; two
+# stock tests failed in a CI pre-check), cause not found yet. The
+# ExampleConnector pair (test_pd_example.py) runs in CI, patched and stock.
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl]
 
 
 @pytest.fixture(scope="module")
