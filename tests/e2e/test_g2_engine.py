@@ -27,11 +27,11 @@ import re
 
 import pytest
 
+from vllm_patch.pd.workload import TERMINALS, post_grammar
 from vllm_patch.testing import engine, tiny_model
 
 pytestmark = pytest.mark.e2e
 
-TERMINALS = {tiny_model.EOS, tiny_model.IM_END}  # tokenizer / gen-config EOS
 CHOICES = ["yes", "no", "maybe"]
 REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
 MAX_TOKENS = 80
@@ -73,14 +73,6 @@ def _valid(kind: str, text: str) -> bool:
         return re.fullmatch(REGEX, text) is not None
     except (ValueError, jsonschema.ValidationError):
         return False
-
-
-def _post_grammar(token_ids) -> int:
-    """Tokens after the first terminal (the grammar's end)."""
-    for i, t in enumerate(token_ids):
-        if t in TERMINALS:
-            return len(token_ids) - i - 1
-    return 0
 
 
 def _generate(llm, reqs):
@@ -125,7 +117,7 @@ def test_g2_engine(backend, k, patched, inproc):
     problems = {True: [], False: []}  # by ignore_eos
     for ((kind, ignore_eos), prompt, _), out in zip(structured, outs):
         c = out.outputs[0]
-        post = _post_grammar(c.token_ids)
+        post = post_grammar(c.token_ids)
         ok = _valid(kind, c.text)
         finish[(ignore_eos, c.finish_reason)] += 1
         counts["valid"] += ok
