@@ -16,6 +16,9 @@ setup(
     install_requires=["packaging"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "jsonschema"],
+        # vllm-patch launch / demo (vLLM's own requirements bring pydantic,
+        # pyyaml, psutil, aiohttp and requests)
+        "launch": ["ray>=2.50"],
     },
     entry_points={
         "console_scripts": ["vllm-patch = vllm_patch.cli:main"],

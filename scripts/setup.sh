@@ -44,6 +44,10 @@ if ! "$py" -c "import pytest, pytest_timeout, hypothesis, jsonschema" 2>/dev/nul
   timeout 600 "$py" -m pip --disable-pip-version-check install -q \
     pytest pytest-timeout hypothesis jsonschema
 fi
+if ! "$py" -c "import ray" 2>/dev/null; then
+  say "installing ray (the P/D launcher, vllm-patch launch / demo)"
+  timeout 600 "$py" -m pip --disable-pip-version-check install -q "ray==2.60.0"
+fi
 if ! "$py" -c "import nixl._api" 2>/dev/null; then
   # NIXL for the NixlConnector P/D tests. --no-deps: its metadata asks for a
   # CUDA build (nixl-cu13) and would pull a CUDA torch; the cu12 wheel's UCX

@@ -1,4 +1,4 @@
-"""`vllm-patch status | verify | build-model`."""
+"""`vllm-patch status | verify | build-model | launch | demo`."""
 
 from __future__ import annotations
 
@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_verify)
     p = sub.add_parser("build-model", help="build (or find) the tiny local model")
     p.set_defaults(func=_build_model)
+    from vllm_patch.launch import command, demo
+
+    command.add_parser(sub)
+    demo.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

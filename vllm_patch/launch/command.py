@@ -1,0 +1,113 @@
+"""`vllm-patch launch`: a P/D deployment on a Ray cluster, until Ctrl-C.
+
+    vllm-patch launch --model /models/m --prefill-resource prefill_node \\
+        --decode-resource decode_node --port 8000 -- --max-model-len 4096
+    vllm-patch launch --config pd.yaml
+
+Arguments after `--` go to every vLLM server unchanged; --prefill-args /
+--decode-args (one quoted string each) go to one role. Flags override the
+YAML file (see vllm_patch/launch/config.py for its keys). Progress goes to
+stderr; the endpoint line `endpoint: http://host:port` to stdout, and with
+--ready-file a JSON file {"url", "instances"} is written once every
+instance answers /health. Ctrl-C or SIGTERM tears everything down.
+
+Exit codes: 0 after a requested stop, 1 when the deployment cannot start or
+an instance keeps dying (more than --max-restarts restarts), 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from typing import Any
+
+
+def _overrides(a: argparse.Namespace) -> dict[str, Any]:
+    o: dict[str, Any] = {}
+    for key in ("model", "address", "connector", "max_restarts", "log_dir",
+                "served_model_name", "server_command"):
+        v = getattr(a, key)
+        if v is not None:
+            o[key] = v
+    if a.start_timeout is not None:
+        o["start_timeout_s"] = a.start_timeout
+    if a.vllm_args:
+        o["vllm_args"] = a.vllm_args
+    router = {k: v for k, v in (("host", a.host), ("port", a.port)) if v is not None}
+    if router:
+        o["router"] = router
+    for role in ("prefill", "decode"):
+        r = {k: v for k, v in (("count", getattr(a, role)),
+                               ("node_resource", getattr(a, f"{role}_resource")),
+                               ("port", getattr(a, f"{role}_port")),
+                               ("vllm_args", getattr(a, f"{role}_args")))
+             if v is not None}
+        if r:
+            o[role] = r
+    return o
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(a: argparse.Namespace) -> int:
+    from vllm_patch.launch.config import LaunchError, load
+    from vllm_patch.launch.deployment import Deployment
+
+    try:
+        cfg = load(a.config, _overrides(a))
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        with Deployment(cfg) as dep:
+            print(f"endpoint: {dep.url}", flush=True)
+            if a.ready_file:
+                with open(a.ready_file, "w") as f:
+                    json.dump({"url": dep.url, "instances": [
+                        {"name": i.name, "url": i.url, "node_id": i.info["node_id"],
+                         "pid": i.status["pid"]} for i in dep.instances]}, f)
+            dep.serve_forever()
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopped", file=sys.stderr)
+        return 0
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("launch", help="P/D deployment on a Ray cluster (prefill + "
+                       "decode vLLM servers with this plugin, router in front)",
+                       description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file (keys of LaunchConfig)")
+    p.add_argument("--model", help="model path (must exist on every node) or name")
+    p.add_argument("--served-model-name")
+    p.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else start "
+                   "a local Ray)")
+    p.add_argument("--connector", help="KV connector (default NixlConnector)")
+    p.add_argument("--prefill", type=int, help="number of prefill instances (default 1)")
+    p.add_argument("--decode", type=int, help="number of decode instances (default 1)")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-resource", metavar="RESOURCE",
+                       help=f"Ray custom resource of the {role} nodes")
+        p.add_argument(f"--{role}-port", type=int, metavar="PORT",
+                       help=f"first {role} port (instance i: PORT+i; default: free)")
+        p.add_argument(f"--{role}-args", metavar="'ARGS'",
+                       help=f"extra vLLM arguments for {role} only (one quoted string)")
+    p.add_argument("--host", help="router host (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="router port (default 8000; 0: free)")
+    p.add_argument("--max-restarts", type=int, help="restarts per instance (default 3)")
+    p.add_argument("--start-timeout", type=float, help="seconds to wait for /health")
+    p.add_argument("--log-dir", help="server logs, on each node (default: a temp dir)")
+    p.add_argument("--server-command", help=argparse.SUPPRESS)  # tests: a stand-in
+    p.add_argument("--ready-file", help="write {url, instances} as JSON when ready")
+    p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",
+                   help="arguments after -- go to every vLLM server")
+    p.set_defaults(func=main)

@@ -1,0 +1,349 @@
+"""A P/D deployment on a Ray cluster: N prefill and M decode vLLM OpenAI
+servers, each supervised by a Ray actor on its node, and the P/D router
+(vllm_patch.pd.proxy) in front, in this process.
+
+    with Deployment(cfg) as dep:      # places, starts, waits for /health
+        print(dep.url)                # the router's endpoint
+        dep.serve_forever()           # restarts, or raises LaunchError
+
+Leaving the block (normally, on an error or on Ctrl-C) stops the router,
+every server's process group and every actor, and the local Ray cluster if
+this process started it. Nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import urllib.request
+from typing import Any, Callable
+
+from vllm_patch.launch.config import ROLES, LaunchConfig, LaunchError
+from vllm_patch.launch.supervisor import InstanceSupervisor, port_free
+
+PLACE_TIMEOUT_S = 120.0
+
+
+def stderr_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Instance:
+    role: str
+    index: int
+    actor: Any
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    status: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def url(self) -> str:
+        return self.status["url"]
+
+
+def cpu_bind_ranges(cpus: list[int], n: int) -> list[str] | None:
+    """Disjoint contiguous core ranges for n instances on one host, or None
+    when that is impossible (fewer cores than instances, holes)."""
+    if n > len(cpus):
+        return None
+    out = []
+    for j in range(n):
+        chunk = cpus[j * len(cpus) // n:(j + 1) * len(cpus) // n]
+        if chunk != list(range(chunk[0], chunk[-1] + 1)):
+            return None
+        out.append(str(chunk[0]) if len(chunk) == 1 else f"{chunk[0]}-{chunk[-1]}")
+    return out
+
+
+class Deployment:
+    def __init__(self, cfg: LaunchConfig,
+                 progress: Callable[[str], None] = stderr_progress) -> None:
+        self.cfg = cfg
+        self.progress = progress
+        self.instances: list[Instance] = []
+        self.router: Any = None
+        self._owns_ray = False
+        self._connected = False
+        self._t0 = time.monotonic()
+        self._closed = False
+
+    # ---- public --------------------------------------------------------
+    @property
+    def url(self) -> str:
+        if self.router is None:
+            raise LaunchError("the deployment is not running")
+        return self.router.url
+
+    def role_instances(self, role: str) -> list[Instance]:
+        return [i for i in self.instances if i.role == role]
+
+    def metrics(self, role: str) -> dict[str, float]:
+        """Prometheus metrics of a role, summed over its instances."""
+        from vllm_patch.pd.launch import parse_metrics
+
+        total: dict[str, float] = {}
+        for inst in self.role_instances(role):
+            with urllib.request.urlopen(inst.url + "/metrics", timeout=10) as r:
+                for k, v in parse_metrics(r.read().decode()).items():
+                    total[k] = total.get(k, 0.0) + v
+        return total
+
+    def __enter__(self) -> "Deployment":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cfg = self.cfg
+        if cfg.router.port and not port_free(cfg.router.host, cfg.router.port):
+            raise LaunchError(f"router port {cfg.router.host}:{cfg.router.port} "
+                              "is already in use")
+        self._connect()
+        self._place()
+        self._start_servers()
+        self.wait_ready()
+        from vllm_patch.pd.launch import ProxyThread
+
+        self.router = ProxyThread([i.url for i in self.role_instances("prefill")],
+                                  [i.url for i in self.role_instances("decode")],
+                                  host=cfg.router.host, port=cfg.router.port or None)
+        self._say(f"ready: router {self.router.url} -> prefill "
+                  f"{[i.url for i in self.role_instances('prefill')]}, decode "
+                  f"{[i.url for i in self.role_instances('decode')]}")
+
+    # ---- steps ---------------------------------------------------------
+    def _say(self, msg: str) -> None:
+        self.progress(f"[{time.monotonic() - self._t0:5.0f}s] {msg}")
+
+    def _connect(self) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise LaunchError("Ray is not installed: pip install 'vllm-patch[launch]' "
+                              "(or ray>=2.50)") from None
+
+        address = self.cfg.address or os.environ.get("RAY_ADDRESS")
+        if ray.is_initialized():
+            self._say("using the Ray connection of this process")
+        elif address:
+            self._say(f"connecting to Ray at {address}")
+            ray.init(address=address, log_to_driver=False)
+            self._connected = True
+        else:
+            self._say("starting a local Ray cluster")
+            # "local": a new cluster, never a running one found on this host
+            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            self._connected = self._owns_ray = True
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        self._gpu_nodes = {n["NodeID"] for n in nodes if n["Resources"].get("GPU", 0) > 0}
+        resources = ray.cluster_resources()
+        custom = sorted(k for k in resources
+                        if k not in ("CPU", "GPU", "memory", "object_store_memory")
+                        and not k.startswith(("node:", "accelerator_type:")))
+        for role in ROLES:
+            r = self.cfg.role(role).node_resource
+            if r is not None and r not in resources:
+                raise LaunchError(
+                    f"unknown node resource {r!r} for {role}: no node of the Ray cluster "
+                    f"offers it (custom resources there: {custom or 'none'}); start the "
+                    f"nodes with `ray start --resources '{{\"{r}\": 1}}'`")
+        self._say(f"Ray: {len(nodes)} node(s), custom resources {custom or 'none'}")
+
+    def _place(self) -> None:
+        import ray
+
+        actor_cls = ray.remote(InstanceSupervisor)
+        for role in ROLES:
+            rc = self.cfg.role(role)
+            for i in range(rc.count):
+                opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
+                                        "max_concurrency": 4}
+                if rc.node_resource:
+                    opts["resources"] = {rc.node_resource: 0.001}
+                else:
+                    opts["scheduling_strategy"] = "SPREAD"
+                actor = actor_cls.options(**opts).remote(
+                    f"{role}-{i}", self.cfg.max_restarts, self.cfg.log_dir)
+                self.instances.append(Instance(role, i, actor))
+        refs = [i.actor.node_info.remote() for i in self.instances]
+        try:
+            infos = ray.get(refs, timeout=PLACE_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise LaunchError(
+                f"could not place every instance within {PLACE_TIMEOUT_S:.0f} s "
+                "(not enough nodes with the requested resources?)") from None
+        for inst, info in zip(self.instances, infos):
+            inst.info = info
+            self._say(f"{inst.name} placed on node {info['ip']} "
+                      f"({(info['node_id'] or '?')[:12]})")
+
+    def _env(self, inst: Instance, side_channel_port: int, bind: str | None) -> dict[str, str]:
+        rc = self.cfg.role(inst.role)
+        env = {**self.cfg.env, **rc.env}
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", inst.info["ip"])
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port))
+        if bind is not None:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+        return env
+
+    def _binds(self) -> dict[str, str | None]:
+        """VLLM_CPU_OMP_THREADS_BIND per instance (CPU nodes only)."""
+        binds: dict[str, str | None] = {i.name: None for i in self.instances}
+        by_host: dict[str, list[Instance]] = {}
+        for inst in self.instances:
+            if inst.info["node_id"] in self._gpu_nodes:
+                continue
+            mode = self.cfg.role(inst.role).cpu_bind
+            if mode == "off":
+                continue
+            if mode != "auto":
+                binds[inst.name] = mode
+                continue
+            by_host.setdefault(inst.info["ip"], []).append(inst)
+        for host, insts in by_host.items():
+            ranges = cpu_bind_ranges(insts[0].info["cpus"], len(insts))
+            if ranges is None:
+                self._say(f"{len(insts)} instances share the {len(insts[0].info['cpus'])} "
+                          f"core(s) of {host}: no thread binding")
+                continue
+            for inst, r in zip(insts, ranges):
+                binds[inst.name] = r
+        return binds
+
+    def _kv_config(self, inst: Instance) -> dict[str, Any]:
+        cfg = self.cfg
+        kv: dict[str, Any] = {
+            "kv_connector": cfg.connector,
+            "kv_role": "kv_producer" if inst.role == "prefill" else "kv_consumer",
+            "kv_connector_extra_config": dict(cfg.kv_connector_extra_config),
+            **cfg.kv_transfer_config}
+        if cfg.connector == "NixlConnector" and inst.info["node_id"] not in self._gpu_nodes:
+            kv.setdefault("kv_buffer_device", "cpu")
+        return kv
+
+    def _start_servers(self) -> None:
+        import ray
+
+        cfg = self.cfg
+        binds = self._binds()
+        prepared = []
+        for inst in self.instances:
+            rc = cfg.role(inst.role)
+            port = None if rc.port is None else rc.port + inst.index
+            prepared.append(inst.actor.prepare.remote(cfg.model, port,
+                                                      {**cfg.env, **rc.env}))
+        ports, errors = [], []
+        for ref in prepared:  # every instance's answer, so all problems are listed
+            try:
+                ports.append(ray.get(ref, timeout=60))
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if not isinstance(cause, LaunchError):
+                    raise
+                errors.append(str(cause))
+        if errors:
+            raise LaunchError("\n".join(errors))
+        started = []
+        for inst, p in zip(self.instances, ports):
+            rc = cfg.role(inst.role)
+            cmd = [*cfg.server_command, "--host", inst.info["ip"], "--port", str(p["port"]),
+                   "--model", cfg.model]
+            if cfg.served_model_name:
+                cmd += ["--served-model-name", cfg.served_model_name]
+            cmd += ["--kv-transfer-config", json.dumps(self._kv_config(inst)),
+                    *cfg.vllm_args, *rc.vllm_args]
+            env = self._env(inst, p["side_channel_port"], binds[inst.name])
+            started.append(inst.actor.start.remote(cmd, env, p["port"]))
+        for inst, st in zip(self.instances, ray.get(started, timeout=60)):
+            inst.status = st
+            bind = binds[inst.name]
+            self._say(f"{inst.name} starting: {st['url']} pid {st['pid']}"
+                      + (f", cores {bind}" if bind else "") + f", log {st['log']}")
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Current status of every instance; LaunchError if one has failed."""
+        import ray
+
+        try:
+            sts = ray.get([i.actor.status.remote() for i in self.instances], timeout=60)
+        except ray.exceptions.RayActorError as e:
+            raise LaunchError(f"a supervisor actor died: {e}") from None
+        for inst, st in zip(self.instances, sts):
+            prev = inst.status
+            inst.status = st
+            if st["state"] == "failed":
+                tail = ray.get(inst.actor.log_tail.remote(), timeout=30)
+                raise LaunchError(f"{st['error']}; last lines of {st['log']} on "
+                                  f"{st['host']}:\n{tail}")
+            if st["restarts"] > prev.get("restarts", 0):
+                self._say(f"{inst.name} exited (code {st['exits'][-1]}); restarted "
+                          f"({st['restarts']}/{self.cfg.max_restarts}) as pid {st['pid']}")
+            if st["state"] != prev.get("state") and st["state"] == "healthy":
+                self._say(f"{inst.name} healthy at {st['url']}")
+        return sts
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        timeout_s = timeout_s or self.cfg.start_timeout_s
+        deadline = time.monotonic() + timeout_s
+        last_report = time.monotonic()
+        while True:
+            sts = self.poll()
+            waiting = [s["name"] for s in sts if s["state"] != "healthy"]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                import ray
+
+                inst = next(i for i in self.instances if i.name == waiting[0])
+                tail = ray.get(inst.actor.log_tail.remote(), timeout=30)
+                raise LaunchError(f"not healthy after {timeout_s:.0f} s: {waiting}; last "
+                                  f"lines of {inst.status['log']}:\n{tail}")
+            if time.monotonic() - last_report >= 10:
+                self._say(f"waiting for {', '.join(waiting)} (vLLM servers take 20-60 s "
+                          "to start on a CPU)")
+                last_report = time.monotonic()
+            time.sleep(1.0)
+
+    def serve_forever(self, poll_s: float = 2.0, until: Callable[[], bool] | None = None) -> None:
+        """Watch the instances (their supervisors restart them); return when
+        `until()` is true, raise LaunchError when one has failed for good."""
+        while until is None or not until():
+            self.poll()
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.router is not None:
+            self.router.stop()
+        if not self._connected and not self.instances:
+            return
+        import ray
+
+        if self.instances:
+            self._say(f"stopping {len(self.instances)} instance(s)")
+            refs = [i.actor.stop.remote() for i in self.instances]
+            for inst, ref in zip(self.instances, refs):
+                try:
+                    ray.get(ref, timeout=60)
+                except Exception as e:  # the actor is gone: PDEATHSIG took the server
+                    self._say(f"{inst.name}: stop failed ({type(e).__name__}); its "
+                              "server dies with its actor")
+                ray.kill(inst.actor, no_restart=True)
+        if self._connected:
+            ray.shutdown()
+        self._say("stopped" + (" (local Ray cluster shut down)" if self._owns_ray else ""))
