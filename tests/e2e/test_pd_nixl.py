@@ -30,14 +30,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.nixl]
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     pytest.importorskip("nixl._api", reason="nixl not installed")
-    from vllm_patch.pd.launch import PDConfig, PDPair, free_port
+    from vllm_patch.pd.launch import PDConfig, PDPair
 
     storage = tmp_path_factory.mktemp("pd-nixl")
-    cfg = PDConfig(
-        storage=str(storage), connector="NixlConnector", spec_k=3, force_async=ASYNC,
-        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
-        role_env={"prefill": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-                  "decode": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}},
-        extra_connector_config={"kv_lease_duration": 300})
-    with PDPair(cfg) as pair:
+    with PDPair(PDConfig.nixl(str(storage), spec_k=3, force_async=ASYNC)) as pair:
         yield pair

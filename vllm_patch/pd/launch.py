@@ -53,6 +53,16 @@ class PDConfig:
     max_num_seqs: int = 8
     served_model_name: str | None = "tiny"
 
+    @classmethod
+    def nixl(cls, storage: str, **kw: Any) -> "PDConfig":
+        """NixlConnector on the CPU: side channels on 127.0.0.1, a port each,
+        a KV lease long enough for a slow 2-core machine."""
+        return cls(storage=storage, connector="NixlConnector",
+                   env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"},
+                   role_env={"prefill": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+                             "decode": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}},
+                   extra_connector_config={"kv_lease_duration": 300}, **kw)
+
 
 def tiny_vllm_args(model: str, block_size: int = 32, spec_k: int | None = 3,
                    max_num_seqs: int = 8) -> list[str]:
