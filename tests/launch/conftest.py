@@ -26,8 +26,8 @@ def ray_cluster():
 
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"prefill_node": 1})
-    cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+    cluster.add_node(num_cpus=1, resources={"prefill_node": 1}, labels={"pd-role": "prefill"})
+    cluster.add_node(num_cpus=1, resources={"decode_node": 1}, labels={"pd-role": "decode"})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:

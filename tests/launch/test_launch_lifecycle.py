@@ -95,6 +95,22 @@ def test_placement_routing_teardown(ray_cluster, node_of_resource):
     assert "prefill-0 healthy" in text and "ready: router" in text and "stopped" in text
 
 
+def test_placement_by_node_labels(ray_cluster, node_of_resource):
+    cfg = config(prefill={"node_labels": {"pd-role": "prefill"}},
+                 decode={"node_labels": {"pd-role": "decode"}, "count": 2})
+    with Deployment(cfg, progress=lambda s: None) as dep:
+        assert {i.name: i.info["node_id"] for i in dep.instances} == {
+            "prefill-0": node_of_resource["prefill_node"],
+            "decode-0": node_of_resource["decode_node"],
+            "decode-1": node_of_resource["decode_node"]}
+        assert ask(dep.url)["served_by"]["role"] == "decode"
+    with pytest.raises(LaunchError, match="no node of the Ray cluster carries the labels "
+                       r"\{'pd-role': 'gpu'\} asked for decode"):
+        with Deployment(config(decode={"node_labels": {"pd-role": "gpu"}}),
+                        progress=lambda s: None):
+            pass
+
+
 def test_killed_instance_is_restarted(ray_cluster):
     with Deployment(config(max_restarts=2), progress=lambda s: None) as dep:
         dec = dep.role_instances("decode")[0]

@@ -41,12 +41,23 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     for role in ("prefill", "decode"):
         r = {k: v for k, v in (("count", getattr(a, role)),
                                ("node_resource", getattr(a, f"{role}_resource")),
+                               ("node_labels", getattr(a, f"{role}_labels")),
                                ("port", getattr(a, f"{role}_port")),
                                ("vllm_args", getattr(a, f"{role}_args")))
              if v is not None}
         if r:
             o[role] = r
     return o
+
+
+def _labels(text: str) -> dict[str, str]:
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE[,KEY=VALUE], got {text!r}")
+        out[key.strip()] = value.strip()
+    return out
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -97,6 +108,8 @@ def add_parser(sub: Any) -> None:
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-resource", metavar="RESOURCE",
                        help=f"Ray custom resource of the {role} nodes")
+        p.add_argument(f"--{role}-labels", type=_labels, metavar="K=V[,K=V]",
+                       help=f"Ray node labels the {role} nodes carry")
         p.add_argument(f"--{role}-port", type=int, metavar="PORT",
                        help=f"first {role} port (instance i: PORT+i; default: free)")
         p.add_argument(f"--{role}-args", metavar="'ARGS'",

@@ -9,7 +9,7 @@ it starts its server, and reported with the node's address.
     address: auto                  # Ray cluster; omitted: start a local one
     connector: NixlConnector
     vllm_args: [--max-model-len, "512"]      # both roles; passed to vLLM as is
-    prefill: {count: 1, node_resource: prefill_node, port: 8100}
+    prefill: {count: 1, node_resource: prefill_node, port: 8100}   # or node_labels: {...}
     decode:  {count: 2, node_resource: decode_node, vllm_args: [--speculative-config, '{...}']}
     router:  {host: 0.0.0.0, port: 8000}
 """
@@ -39,6 +39,9 @@ class RoleConfig(_Strict):
     # Ray custom resource that marks the nodes this role may run on (e.g.
     # `ray start --resources '{"prefill_node": 1}'`); None: any node.
     node_resource: str | None = None
+    # Ray node labels the role's nodes must carry (`ray start --labels
+    # '{"pd-role": "decode"}'`); with node_resource, both must hold.
+    node_labels: dict[str, str] = Field(default_factory=dict)
     # First port; instance i of the role serves on port + i. None: a free port
     # chosen on the instance's node.
     port: int | None = Field(None, ge=1024, le=65535)

@@ -154,6 +154,13 @@ class Deployment:
                         if k not in ("CPU", "GPU", "memory", "object_store_memory")
                         and not k.startswith(("node:", "accelerator_type:")))
         for role in ROLES:
+            labels = self.cfg.role(role).node_labels
+            if labels and not any(labels.items() <= (n.get("Labels") or {}).items()
+                                  for n in nodes):
+                raise LaunchError(
+                    f"no node of the Ray cluster carries the labels {labels} asked for "
+                    f"{role} (start the nodes with `ray start --labels "
+                    f"'{json.dumps(labels)}'`)")
             r = self.cfg.role(role).node_resource
             if r is not None and r not in resources:
                 raise LaunchError(
@@ -173,7 +180,9 @@ class Deployment:
                                         "max_concurrency": 4}
                 if rc.node_resource:
                     opts["resources"] = {rc.node_resource: 0.001}
-                else:
+                if rc.node_labels:
+                    opts["label_selector"] = dict(rc.node_labels)
+                if not rc.node_resource and not rc.node_labels:
                     opts["scheduling_strategy"] = "SPREAD"
                 actor = actor_cls.options(**opts).remote(
                     f"{role}-{i}", self.cfg.max_restarts, self.cfg.log_dir)
