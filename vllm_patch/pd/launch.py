@@ -16,8 +16,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,13 +24,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vllm_patch.launch.supervisor import free_port, kill_group
 from vllm_patch.testing.engine import STRUCTURED_OUTPUTS_CONFIG
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -147,19 +140,7 @@ class Server:
         return parse_metrics(self.metrics_text())
 
     def stop(self, grace_s: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # stragglers of the group (engine core, workers)
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(self.pgid, grace_s, self.proc)  # + engine core, workers
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
