@@ -131,6 +131,20 @@ def test_killed_instance_is_restarted(ray_cluster):
         assert dec.status["pid"] == after["pid"]
 
 
+def test_dead_supervisor_takes_its_server_along(ray_cluster):
+    """The actor's process dies (node agent kill, OOM): its server and the
+    server's child stop too (PDEATHSIG), and the deployment reports it."""
+    with Deployment(config(), progress=lambda s: None) as dep:
+        dec = dep.role_instances("decode")[0]
+        pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == dec.status["pid"]]
+        assert len(pids) == 2
+        os.kill(dec.info["actor_pid"], signal.SIGKILL)
+        assert gone(pids) == []
+        with pytest.raises(LaunchError, match="a supervisor actor died"):
+            deadline = time.monotonic() + 60
+            dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+
+
 def test_restarts_are_bounded(ray_cluster):
     cfg = config(max_restarts=1, decode={"node_resource": "decode_node",
                                          "env": {"STANDIN_CRASH_AFTER_S": "0.3"}})

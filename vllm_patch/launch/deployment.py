@@ -289,7 +289,8 @@ class Deployment:
         try:
             sts = ray.get([i.actor.status.remote() for i in self.instances], timeout=60)
         except ray.exceptions.RayActorError as e:
-            raise LaunchError(f"a supervisor actor died: {e}") from None
+            raise LaunchError("a supervisor actor died (its server was signalled to "
+                              f"stop): {str(e).splitlines()[0]}") from None
         for inst, st in zip(self.instances, sts):
             prev = inst.status
             inst.status = st

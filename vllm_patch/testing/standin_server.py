@@ -2,9 +2,9 @@
 
 It takes the same command line as `python -m vllm.entrypoints.openai.api_server`
 (only --host, --port, --model and --kv-transfer-config are read), starts in
-well under a second, and, like vLLM, runs a child process in its own process
-group (vLLM's engine core), so the tests see whether a teardown leaves it
-behind. Answers:
+well under a second, and, like vLLM, runs a child process in its process
+group (vLLM's engine core) that it stops on SIGTERM, so the tests see whether
+a teardown leaves it behind. Answers:
 - GET /health: 200;  GET /metrics: the few vLLM gauges the tools read;
 - POST /v1/completions and /v1/chat/completions: a fixed JSON answer
   `{"city": "paris", "items": [1]}` (decode) or `{` with kv_transfer_params
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -82,6 +83,11 @@ def main(argv: list[str] | None = None) -> None:
                 out["kv_transfer_params"] = {"remote_port": args.port, "standin": True}
             self._send(200, json.dumps(out).encode())
 
+    def on_sigterm(signum: int, frame: object) -> None:  # like vLLM: children go too
+        child.kill()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     try:
         server.serve_forever()
