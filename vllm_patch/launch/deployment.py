@@ -117,9 +117,12 @@ class Deployment:
         self.wait_ready()
         from vllm_patch.pd.launch import ProxyThread
 
-        self.router = ProxyThread([i.url for i in self.role_instances("prefill")],
-                                  [i.url for i in self.role_instances("decode")],
-                                  host=cfg.router.host, port=cfg.router.port or None)
+        try:
+            self.router = ProxyThread([i.url for i in self.role_instances("prefill")],
+                                      [i.url for i in self.role_instances("decode")],
+                                      host=cfg.router.host, port=cfg.router.port or None)
+        except RuntimeError as e:  # the port was taken while the servers started
+            raise LaunchError(str(e)) from None
         self._say(f"ready: router {self.router.url} -> prefill "
                   f"{[i.url for i in self.role_instances('prefill')]}, decode "
                   f"{[i.url for i in self.role_instances('decode')]}")
