@@ -53,8 +53,11 @@ KNOWN_LIMITS: dict[str, tuple[str, ...]] = {
         "lm-format-enforcer is not tested",
     ),
     "G3": (
-        "drafts are still proposed (and discarded) in the step in which a "
-        "grammar terminates: no draft compute is saved yet",
+        "the drafter (EAGLE / draft_model) is skipped only in steps where "
+        "every request of the batch has ended or ends; in a batch where "
+        "others go on it still runs over the ended requests (their drafts "
+        "are dropped, no compute saved); ngram / suffix / medusa drafting "
+        "is not skipped; an end by max_tokens is not predicted",
     ),
     "G4": (
         "the KV load overlaps grammar compilation only for connectors that "

@@ -306,6 +306,142 @@ def _invalid(async_unvalidated: bool) -> Callable[[], list[str]]:
     return run
 
 
+# ---------------------------------------------------------------------------
+# No draft proposals after the grammar's end (g3-no-drafts-after-grammar-end).
+# The patched `GPUModelRunner.propose_draft_token_ids` runs on a stand-in
+# runner (what the method reads before the drafter runs) with the real
+# bitmask of a real scheduler step; the drafter is a DraftModelProposer that
+# raises as soon as the stock path touches it.
+
+
+class DrafterRan(Exception):
+    """The stock proposer path reached the drafter."""
+
+
+def drafter_standin() -> Any:
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    class Drafter(DraftModelProposer):  # passes stock's isinstance check
+        def prepare_next_token_ids_padded(self, *a: Any, **k: Any) -> Any:
+            raise DrafterRan()
+
+        def propose(self, *a: Any, **k: Any) -> Any:
+            raise DrafterRan()
+
+    return object.__new__(Drafter)
+
+
+class ProposerStandIn:
+    """Just what propose_draft_token_ids reads before its drafter runs."""
+
+    def __init__(self, req_ids: list[str], sampling_params: dict[str, Any],
+                 async_: bool = False, k: int = 3) -> None:
+        import numpy as np
+        import torch
+
+        self.speculative_config = SimpleNamespace(
+            method="draft_model", use_eagle=lambda: False,
+            uses_draft_model=lambda: True, use_dflash=lambda: False,
+            use_ngram_gpu=lambda: False, uses_extract_hidden_states=lambda: False,
+            disable_padded_drafter_batch=False)
+        self.parallel_config = SimpleNamespace(pipeline_parallel_size=1,
+                                               data_parallel_size=1)
+        self.vllm_config = SimpleNamespace(
+            structured_outputs_config=SimpleNamespace(reasoning_parser=""))
+        self.input_batch = SimpleNamespace(req_ids=list(req_ids))
+        self.requests = {r: SimpleNamespace(sampling_params=sampling_params[r])
+                         for r in req_ids}
+        self.discard_request_mask = SimpleNamespace(
+            np=np.zeros(len(req_ids), dtype=bool), gpu=None)
+        self.num_spec_tokens = k
+        self.device = torch.device("cpu")
+        self.use_async_scheduling = async_
+        self.valid_sampled_token_count_event = None
+        self.drafter = drafter_standin()
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+
+    def set_batch(self, req_ids: list[str]) -> None:
+        import numpy as np
+
+        self.input_batch.req_ids = list(req_ids)
+        self.discard_request_mask.np = np.zeros(len(req_ids), dtype=bool)
+
+
+def grammar_output_of(record: Any, req_ids: list[str]) -> Any:
+    """The GrammarOutput of a harness step (rows packed 1 + drafts each)."""
+    import numpy as np
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    return GrammarOutput(list(req_ids),
+                         np.concatenate([record.bitmask_rows[r] for r in req_ids]))
+
+
+def propose_once(runner: Any, grammar_output: Any, spec: dict[str, list[int]],
+                 sampled: list[list[int]]) -> str:
+    """One sample step's proposer call: "drafter" if the drafter ran, else
+    "skipped" (zero drafts of shape [num_reqs, k] returned)."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_patch.v1.worker import gpu_model_runner as g3
+
+    g3.begin_step(runner, grammar_output)
+    so = SimpleNamespace(total_num_scheduled_tokens=sum(map(len, sampled)),
+                         num_spec_tokens_to_schedule=runner.num_spec_tokens,
+                         scheduled_spec_decode_tokens=spec)
+    k1 = runner.num_spec_tokens + 1
+    tensor = torch.tensor([list(t) + [-1] * (k1 - len(t)) for t in sampled],
+                          dtype=torch.int32)
+    try:
+        out = GPUModelRunner.propose_draft_token_ids(
+            runner, so, tensor, None, None, None, None, None, None, None)
+    except DrafterRan:
+        return "drafter"
+    finally:
+        runner.__dict__[g3._GRAMMAR_ATTR] = None  # noqa: SLF001
+    if tuple(out.shape) != (len(runner.input_batch.req_ids), runner.num_spec_tokens) \
+            or bool(out.any()):
+        return f"bad drafts {out.tolist()}"
+    return "skipped"
+
+
+def _draft_skip(async_: bool, goes_on: bool) -> Callable[[], list[str]]:
+    def run() -> list[str]:
+        from vllm_patch.testing.harness import EOS, Harness
+
+        h = Harness("xgrammar", num_spec_tokens=3)
+        a, b = h.tok("a"), h.tok("b")
+        t = h.add_request(regex="ab", ignore_eos=True)
+        n = h.add_request(regex="a[ab]*", ignore_eos=True)
+        h.step({t: [a], n: [a]}, drafts={t: [b, EOS], n: [b, b]})
+        so = h.schedule()
+        h._grammar(so)  # noqa: SLF001
+        go = grammar_output_of(so._vllm_patch_record, [t, n])
+        spec = {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()}
+        params = {r: h.request(r).sampling_params for r in (t, n)}
+        runner = ProposerStandIn([t, n], params, async_)
+        # T samples EOS after b (its grammar ends); N ends too, or goes on.
+        got = propose_once(runner, go, spec,
+                           [[b, EOS], [b, b, a] if goes_on else [b, b, EOS]])
+        v = []
+        if goes_on:
+            if got != "drafter":
+                v.append(f"drafter {got} although request {n} goes on")
+            return v
+        if got != "skipped":
+            v.append(f"drafter ran ({got}) for a batch whose every grammar ended")
+        if async_:
+            # The follow-up step was in flight; the scheduler has finished
+            # both and leaves them out of the grammar output.
+            got = propose_once(runner, None, spec, [[b, a, b, a], [a, a, a, a]])
+            if got != "skipped":
+                v.append(f"drafter ran ({got}) in the in-flight step after the end")
+        return v
+
+    return run
+
+
 SCENARIOS: list[Scenario] = [
     Scenario("g3-async-post-terminal-draft-xgrammar", "G3",
              "async, V1 runner, xgrammar: worker drafts [b, EOS, c] after 'a' "
@@ -332,4 +468,15 @@ SCENARIOS: list[Scenario] = [
              "async: worker drafts never reached the scheduler (all -1); the "
              "V1 runner must not accept them (x after 'ab' is invalid)",
              _invalid(async_unvalidated=True)),
+    Scenario("g3-no-drafts-after-grammar-end-sync", "G3",
+             "sync, V1 runner, draft_model: every request of the batch samples "
+             "its grammar's stop token; the drafter must not run",
+             _draft_skip(async_=False, goes_on=False)),
+    Scenario("g3-no-drafts-after-grammar-end-async", "G3",
+             "async: as above, and in the in-flight follow-up step (the "
+             "scheduler already finished the requests) the drafter must not run",
+             _draft_skip(async_=True, goes_on=False)),
+    Scenario("g3-drafts-while-a-grammar-goes-on", "G3",
+             "control: one request ends, one goes on: the drafter runs as in "
+             "stock", _draft_skip(async_=True, goes_on=True), stock_fails=False),
 ]

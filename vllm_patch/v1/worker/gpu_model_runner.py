@@ -21,6 +21,11 @@ target's sample from that position's bitmask row, which
 `vllm_patch.v1.structured_output` makes the valid-prefix or stop-only row.
 Requests whose drafts are all acceptable cost nothing; one small index copy
 to the device is made only when some draft must be rejected.
+
+Also here: `g3-no-drafts-after-grammar-end` and
+`g3-no-drafts-handed-over-after-grammar-end` (no draft proposals for
+requests whose grammar ends; see the section below and
+`vllm_patch.v1.spec_decode.grammar_end`).
 """
 
 from __future__ import annotations
@@ -88,9 +93,265 @@ def _make_sample_tokens(original: Any) -> Any:
                     grammar_output.structured_output_request_ids,
                     grammar_output.num_acceptable_drafts,
                 )
-        return original(self, grammar_output)
+        # Step context for g3-no-drafts-after-grammar-end: the proposer runs
+        # inside the stock sample_tokens and never sees grammar_output.
+        begin_step(self, grammar_output)
+        try:
+            return original(self, grammar_output)
+        finally:
+            self.__dict__[_GRAMMAR_ATTR] = None
 
     return sample_tokens
+
+
+# --------------------------------------------------------------------------
+# No drafts for requests whose grammar ends (issue 4, second item).
+#
+# Where: `GPUModelRunner.propose_draft_token_ids`, the one call through which
+# the V1 runner runs every proposer (sample_tokens' nested helper calls it
+# right after sampling, before bookkeeping for EAGLE / draft_model). It is
+# the smallest place that both sees this step's sampled tokens and can avoid
+# the drafter's forward passes; the proposers themselves (EagleProposer,
+# DraftModelProposer) know nothing of grammars or of the batch's requests.
+#
+# When every request of the batch ends (it samples a grammar stop token now,
+# or it ended in the previous step whose follow-up step was already in
+# flight under async scheduling: the scheduler, having finished it, leaves
+# it out of this step's grammar output), the drafter is not called: the runner
+# takes stock's own "input does not fit in the drafter" path instead (zero
+# drafts of shape [num_reqs, k]; under async scheduling the sampled tokens
+# are still prepared for the next step's inputs by the drafter's
+# prepare_next_token_ids_padded, exactly as in that stock path). Saved: the
+# drafter's k forward passes. When only some requests end, the drafter runs
+# for the whole batch as in stock (the padded batch cannot drop rows), and
+# those requests hand the scheduler no drafts (`take_draft_token_ids`):
+# nothing is saved there, it only guarantees no draft of an ended grammar
+# is ever scheduled. Unstructured requests keep stock drafting: a batch with
+# one that has not ended is never skipped, and the sampled tokens are then
+# not even read. Cost: a Python pass over the batch in steps with structured
+# requests, and one device-to-host copy of the sampled tokens only in steps
+# where the bitmask rows say every request may end (on CUDA that copy waits
+# for the sampler before the drafter is launched).
+# --------------------------------------------------------------------------
+
+_GRAMMAR_ATTR = "_vllm_patch_g3_grammar_output"
+_STEP_ATTR = "_vllm_patch_g3_step"
+_ENDED_ATTR = "_vllm_patch_g3_ended"      # req_id -> step its grammar ended
+_DROP_ATTR = "_vllm_patch_g3_drop"        # req_ids: hand over no drafts
+STATS_ATTR = "_vllm_patch_g3_draft_stats"
+
+
+def _stats(runner: Any) -> dict[str, int]:
+    """Per-runner counters (created on first use, so stock runners probed by
+    the tests report zeros)."""
+    stats = runner.__dict__.get(STATS_ATTR)
+    if stats is None:
+        stats = runner.__dict__[STATS_ATTR] = {
+            # Calls into propose_draft_token_ids (EAGLE / draft_model).
+            "proposer_calls": 0,
+            # ... of which the drafter was not run (every request ended).
+            "skipped_calls": 0,
+            # Requests in those calls (k drafts each not computed).
+            "skipped_request_drafts": 0,
+            # Requests that ended while others did not: drafts computed but
+            # not handed to the scheduler (no compute saved).
+            "dropped_request_drafts": 0,
+            # Steps whose sampled tokens were read for the decision.
+            "token_reads": 0,
+            # A request predicted to end was scheduled again (should be 0).
+            "mispredicted": 0,
+        }
+    return stats
+
+
+def draft_skip_stats(worker: Any) -> dict[str, int]:
+    """The runner's G3 draft-skip counters; for `LLM.collective_rpc` (runs in
+    each worker process): `llm.collective_rpc(draft_skip_stats)`."""
+    runner = getattr(worker, "model_runner", worker)
+    return dict(_stats(runner))
+
+
+def begin_step(runner: Any, grammar_output: Any) -> None:
+    """Called at each sample_tokens: the proposer inside it needs this step's
+    grammar output and a step count (how old an ended request is)."""
+    d = runner.__dict__
+    d[_STEP_ATTR] = d.get(_STEP_ATTR, 0) + 1
+    d[_GRAMMAR_ATTR] = grammar_output
+    d[_DROP_ATTR] = frozenset()
+
+
+def _g2_finishes_at_grammar_end() -> bool:
+    """Patched G2 finishes a request at its grammar's end in this process
+    (the worker inherits the engine's environment and patch set)."""
+    from vllm_patch import envs
+    from vllm_patch.patching import REGISTRY, State
+
+    if not envs.settings().stop_on_grammar_termination:
+        return False
+    return any(o.state is State.APPLIED for n, o in REGISTRY.outcomes.items()
+               if n.startswith("g2-commit-cut"))
+
+
+def _eligible(runner: Any) -> bool:
+    spec = getattr(runner, "speculative_config", None)
+    if spec is None or not (spec.use_eagle() or spec.uses_draft_model()):
+        return False
+    pc = getattr(runner, "parallel_config", None)
+    # Pipeline parallel: only the last rank samples; keep stock there.
+    return getattr(pc, "pipeline_parallel_size", 1) == 1
+
+
+def _live_ended(runner: Any, batch: list[str]) -> set[str]:
+    """Requests of this batch whose grammar ended in an earlier step that is
+    still allowed to be followed by one in-flight step (async scheduling:
+    the next step was scheduled before the scheduler saw the end)."""
+    ended: dict[str, int] = runner.__dict__.setdefault(_ENDED_ATTR, {})
+    step = runner.__dict__.get(_STEP_ATTR, 0)
+    depth = 1 if getattr(runner, "use_async_scheduling", False) else 0
+    live: set[str] = set()
+    for req_id in list(ended):
+        age = step - ended[req_id]
+        if req_id not in runner.requests or age > depth:
+            if req_id in batch and age > depth:
+                _stats(runner)["mispredicted"] += 1
+                logger.debug("vllm_patch: G3: request %s still scheduled %d "
+                             "steps after its grammar ended; drafting resumed",
+                             req_id, age)
+            del ended[req_id]
+        elif req_id in batch and age > 0:
+            live.add(req_id)
+    return live
+
+
+def _sampled_rows(sampled_token_ids: Any) -> list[list[int]]:
+    if isinstance(sampled_token_ids, list):
+        return [list(r) for r in sampled_token_ids]
+    return sampled_token_ids.tolist()  # device -> host: one small copy
+
+
+def ending_requests(runner: Any, scheduler_output: Any,
+                    sampled_token_ids: Any) -> tuple[set[str], set[str], bool]:
+    """(ended before this step, ending in it, every request of the batch is
+    in one of the two).
+
+    Ended before: a structured request the scheduler left out of this step's
+    grammar output although it is in the batch and samples (not a prefill
+    chunk): the scheduler no longer has it, i.e. it finished while this step
+    was in flight (async scheduling; also aborts); or one whose grammar end
+    this runner saw in the previous step. Ending now: a grammar stop token
+    sampled from a grammar row (needs G2's cut: only then does the end
+    finish the request). The sampled tokens are read only when the answer
+    can be "every request" from the bitmask alone."""
+    from vllm_patch.v1.spec_decode import grammar_end
+
+    if not getattr(scheduler_output, "has_structured_output_requests", True):
+        return set(), set(), False  # no structured request: stock, O(1)
+    batch = list(runner.input_batch.req_ids)  # index = row of sampled tokens
+    if not batch or None in batch:
+        return set(), set(), False
+    ended = _live_ended(runner, batch)
+    grammar_output = runner.__dict__.get(_GRAMMAR_ATTR)
+    in_grammar = set(grammar_output.structured_output_request_ids
+                     if grammar_output is not None else ())
+    discard = getattr(getattr(runner, "discard_request_mask", None), "np", None)
+
+    def discarded(i: int) -> bool:
+        return discard is not None and bool(discard[i])
+
+    for i, req_id in enumerate(batch):
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        if (req_id not in in_grammar and not discarded(i)
+                and getattr(params, "structured_outputs", None) is not None):
+            ended.add(req_id)
+    if len(ended) == len(batch):
+        return ended, set(), True
+    if grammar_output is None or not _g2_finishes_at_grammar_end():
+        return ended, set(), False
+    rows = grammar_end.request_rows(
+        grammar_output.structured_output_request_ids,
+        grammar_output.grammar_bitmask,
+        scheduler_output.scheduled_spec_decode_tokens,
+        int(getattr(runner, "num_spec_tokens", 0) or 0))
+    so_config = getattr(runner.vllm_config, "structured_outputs_config", None)
+    stop_only = bool(getattr(so_config, "reasoning_parser", "") or "")
+    candidates: dict[int, tuple[str, frozenset[int]]] = {}
+    for i, req_id in enumerate(batch):
+        if req_id in ended:
+            continue
+        state = runner.requests.get(req_id)
+        stops = grammar_end.stop_set(getattr(state, "sampling_params", None))
+        if (req_id not in rows or discarded(i)
+                or not grammar_end.may_end(rows[req_id], stops, stop_only)):
+            return ended, set(), False  # this one goes on: no skip
+        candidates[i] = (req_id, stops)
+    _stats(runner)["token_reads"] += 1
+    sampled = _sampled_rows(sampled_token_ids)
+    ending = {req_id for i, (req_id, stops) in candidates.items()
+              if grammar_end.ends_at(rows[req_id], sampled[i], stops,
+                                     stop_only) is not None}
+    step = runner.__dict__.get(_STEP_ATTR, 0)
+    for req_id in ending:
+        runner.__dict__.setdefault(_ENDED_ATTR, {})[req_id] = step
+    return ended, ending, len(ended) + len(ending) == len(batch)
+
+
+def _skip_drafter(runner: Any, sampled_token_ids: Any) -> Any:
+    """Stock's own path for "input does not fit in the drafter"
+    (GPUModelRunner.sample_tokens): zero drafts, and under async scheduling
+    the next step's sampled-token inputs prepared without the drafter."""
+    import torch
+
+    runner._draft_probs = None
+    if hasattr(runner, "_draft_prob_req_ids"):
+        runner._draft_prob_req_ids = None
+    if torch.is_tensor(sampled_token_ids) and \
+            getattr(runner, "valid_sampled_token_count_event", None) is not None:
+        next_token_ids, valid_count = runner.drafter.prepare_next_token_ids_padded(
+            sampled_token_ids, runner.requests, runner.input_batch,
+            runner.discard_request_mask.gpu)
+        runner._copy_valid_sampled_token_count(next_token_ids, valid_count)
+    if runner.parallel_config.data_parallel_size > 1:
+        # As stock: keep DP ranks' drafter collectives in step.
+        runner.drafter.dummy_run(num_tokens=1)
+    return torch.zeros(1, device=runner.device, dtype=torch.int32).expand(
+        len(runner.input_batch.req_ids), runner.num_spec_tokens)
+
+
+def _make_propose_draft_token_ids(original: Any) -> Any:
+    def propose_draft_token_ids(self: Any, scheduler_output: Any,
+                                sampled_token_ids: Any, *args: Any,
+                                **kwargs: Any) -> Any:
+        if not _eligible(self):
+            return original(self, scheduler_output, sampled_token_ids,
+                            *args, **kwargs)
+        stats = _stats(self)
+        stats["proposer_calls"] += 1
+        before, ending, all_end = ending_requests(self, scheduler_output,
+                                                  sampled_token_ids)
+        self.__dict__[_DROP_ATTR] = frozenset(before | ending)
+        if all_end:
+            stats["skipped_calls"] += 1
+            stats["skipped_request_drafts"] += len(before) + len(ending)
+            return _skip_drafter(self, sampled_token_ids)
+        stats["dropped_request_drafts"] += len(before) + len(ending)
+        return original(self, scheduler_output, sampled_token_ids,
+                        *args, **kwargs)
+
+    return propose_draft_token_ids
+
+
+def _make_take_draft_token_ids(original: Any) -> Any:
+    def take_draft_token_ids(self: Any) -> Any:
+        out = original(self)
+        drop = self.__dict__.get(_DROP_ATTR)
+        if out is not None and drop:
+            out.draft_token_ids = [
+                [] if req_id in drop else list(ids)
+                for req_id, ids in zip(out.req_ids, out.draft_token_ids)]
+        return out
+
+    return take_draft_token_ids
 
 
 PATCHES: list[Patch] = [
@@ -115,5 +376,50 @@ PATCHES: list[Patch] = [
         upstream=("vLLM Model Runner V2 grammar_invalid_drafts "
                   "(v1/worker/gpu/structured_outputs.py); SGLang PR #24082"),
         remove_when="the V1 runner reads num_acceptable_drafts (or is removed)",
+    ),
+    Patch(
+        name="g3-no-drafts-after-grammar-end",
+        guarantee="G3",
+        target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.propose_draft_token_ids",
+        versions=("0.32", "0.33"),
+        signature=("self", "scheduler_output", "sampled_token_ids",
+                   "sampling_metadata", "hidden_states", "sample_hidden_states",
+                   "aux_hidden_states", "spec_decode_metadata",
+                   "common_attn_metadata", "slot_mappings"),
+        make=_make_propose_draft_token_ids,
+        why=("the V1 runner runs the EAGLE / draft_model drafter (k forward "
+             "passes) for requests whose grammar ends in this step, or ended "
+             "in the previous one under async scheduling: G2 finishes them, "
+             "so those drafts are never used"),
+        how=("before the drafter runs: a request has ended if a grammar stop "
+             "token (its all_stop_token_ids) was sampled from a grammar-filled "
+             "bitmask row (only then does the grammar terminate, and G2 "
+             "finishes it; see vllm_patch.v1.spec_decode.grammar_end), or it "
+             "ended one step earlier under async scheduling. All ended: skip "
+             "the drafter through stock's 'does not fit in the drafter' path "
+             "(zero drafts). Some ended: the drafter runs as in stock (no "
+             "compute saved), their drafts are not handed over. Sampled tokens "
+             "are read only when the bitmask says every request may end. "
+             "Needs g3-v1-runner-acceptable-drafts (it passes grammar_output "
+             "in) and G2's commit cut (else nothing is skipped). Runner-side: "
+             "only the worker knows the sampled tokens before drafting"),
+        upstream=("SGLang PR #24082 (no drafts for finished grammars); vLLM "
+                  "has no counterpart"),
+        remove_when="vLLM skips drafting for requests finishing in the step",
+    ),
+    Patch(
+        name="g3-no-drafts-handed-over-after-grammar-end",
+        guarantee="G3",
+        target="vllm.v1.worker.gpu_model_runner:GPUModelRunner.take_draft_token_ids",
+        versions=("0.32", "0.33"),
+        signature=("self",),
+        make=_make_take_draft_token_ids,
+        why=("drafts proposed for a request whose grammar ended (in a batch "
+             "where others go on) reach the scheduler as if usable"),
+        how=("requests g3-no-drafts-after-grammar-end found ended in the last "
+             "step get an empty draft list; the scheduler then schedules none "
+             "(async: pads -1 and num_acceptable_drafts=0)"),
+        upstream="SGLang PR #24082",
+        remove_when="with g3-no-drafts-after-grammar-end",
     ),
 ]
