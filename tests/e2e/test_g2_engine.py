@@ -27,7 +27,6 @@ import re
 
 import pytest
 
-from vllm_patch.pd.workload import TERMINALS, post_grammar
 from vllm_patch.testing import engine, tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -117,24 +116,8 @@ def test_g2_engine(backend, k, patched, inproc):
     problems = {True: [], False: []}  # by ignore_eos
     for ((kind, ignore_eos), prompt, _), out in zip(structured, outs):
         c = out.outputs[0]
-        post = post_grammar(c.token_ids)
-        ok = _valid(kind, c.text)
         finish[(ignore_eos, c.finish_reason)] += 1
-        counts["valid"] += ok
-        counts["post_grammar_tokens"] += post
-        counts["requests"] += 1
-        bad = []
-        if not ok:
-            bad.append(f"invalid {c.text[:60]!r}")
-        if post:
-            bad.append(f"{post} token(s) after the grammar's end")
-        if c.finish_reason != "stop":
-            bad.append(f"finish_reason {c.finish_reason}")
-        if not c.token_ids or c.token_ids[-1] not in TERMINALS:
-            bad.append("last token is not the grammar's terminal")
-        if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
-            bad.append(f"logprob rows {len(c.logprobs or [])} != tokens "
-                       f"{len(c.token_ids)}")
+        bad = engine.tally_completion(counts, _valid(kind, c.text), c)
         if bad:
             problems[ignore_eos].append(f"{kind} {prompt!r}: {'; '.join(bad)}")
     print(f"\nG2-E2E {'patched' if patched else 'stock'} {backend} k={k}: "

@@ -17,9 +17,8 @@ import re
 import time
 from typing import Any
 
-from vllm_patch.testing import engine, tiny_model
-
-TERMINALS = {tiny_model.EOS, tiny_model.IM_END}
+from vllm_patch.testing import engine
+from vllm_patch.testing.engine import TERMINALS, post_grammar  # noqa: F401 (re-exported)
 CHOICES = ["yes", "no", "maybe"]
 REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
 SCHEMA2 = {
@@ -124,13 +123,6 @@ def valid(kind: str, text: str) -> bool:
         return False
 
 
-def post_grammar(ids) -> int:
-    for i, t in enumerate(ids):
-        if t in TERMINALS:
-            return len(ids) - i - 1
-    return 0
-
-
 def wait_idle(pd, timeout_s: float = 30.0) -> dict:
     """Both instances: no KV block in use, nothing running or waiting."""
     deadline = time.monotonic() + timeout_s
@@ -157,18 +149,8 @@ def run_batch(pd: Any, reqs: list[dict] | None = None, workers: int = 8) -> dict
     problems: dict[bool, list[str]] = {True: [], False: []}
     counts: collections.Counter = collections.Counter()
     for r, o in zip(reqs, outs):
-        ok = valid(r["kind"], o["text"])
-        post = post_grammar(o["ids"])
-        counts["valid"] += ok
-        counts["post_grammar_tokens"] += post
-        counts[f"finish_{o['finish']}"] += 1
-        bad = []
-        if not ok:
-            bad.append(f"invalid {o['text'][:50]!r}")
-        if post:
-            bad.append(f"{post} token(s) after the grammar's end")
-        if o["finish"] != "stop":
-            bad.append(f"finish_reason {o['finish']}")
+        bad = engine.tally(counts, valid(r["kind"], o["text"]), o["text"], o["ids"],
+                           o["finish"])
         if bad:
             problems[r["ignore_eos"]].append(f"{r}: {'; '.join(bad)}")
     return dict(reqs=reqs, outs=outs, wall=wall, delta=delta, problems=problems,

@@ -151,3 +151,50 @@ JSON_SCHEMA = {
     "required": ["name", "age", "ok"],
     "additionalProperties": False,
 }
+
+
+def _terminals() -> set[int]:
+    from vllm_patch.testing import tiny_model
+
+    return {tiny_model.EOS, tiny_model.IM_END}
+
+
+TERMINALS = _terminals()
+
+
+def post_grammar(ids) -> int:
+    """Tokens after the first grammar terminal (EOS / <|im_end|>)."""
+    for i, t in enumerate(ids):
+        if t in TERMINALS:
+            return len(ids) - i - 1
+    return 0
+
+
+def tally(counts: Any, ok: bool, text: str, ids, finish: str | None) -> list[str]:
+    """Count one structured output (valid, post_grammar_tokens, requests,
+    finish_<reason>) and say what is wrong with it, for the end-to-end tests
+    and the demo."""
+    post = post_grammar(ids)
+    counts["requests"] += 1
+    counts["valid"] += ok
+    counts["post_grammar_tokens"] += post
+    counts[f"finish_{finish}"] += 1
+    bad = []
+    if not ok:
+        bad.append(f"invalid {text[:50]!r}")
+    if post:
+        bad.append(f"{post} token(s) after the grammar's end")
+    if finish != "stop":
+        bad.append(f"finish_reason {finish}")
+    return bad
+
+
+def tally_completion(counts: Any, ok: bool, c: Any) -> list[str]:
+    """tally() for an LLM CompletionOutput, plus: it ends on the grammar's
+    terminal and has one logprob row per token."""
+    bad = tally(counts, ok, c.text, c.token_ids, c.finish_reason)
+    if not c.token_ids or c.token_ids[-1] not in TERMINALS:
+        bad.append("last token is not the grammar's terminal")
+    if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
+        bad.append(f"logprob rows {len(c.logprobs or [])} != tokens {len(c.token_ids)}")
+    return bad
