@@ -23,6 +23,7 @@ PATCH_MODULES: tuple[str, ...] = (
     "vllm_patch.v1.core.sched.inflight",
     "vllm_patch.v1.core.sched.kv_overlap",
     "vllm_patch.v1.metrics.stats",
+    "vllm_patch.v1.metrics.loggers",
     "vllm_patch.v1.structured_output",
     "vllm_patch.v1.structured_output.manager_accept",
     "vllm_patch.v1.worker.gpu_model_runner",

@@ -5,6 +5,9 @@ real StructuredOutputManager (xgrammar) and KV cache manager, the tiny local
 model; model runner outputs are made by hand (after vLLM's
 tests/v1/kv_connector/unit/utils.py). Works on vLLM 0.32 and 0.33.
 
+The scheduler is built by the scheduler harness
+(`vllm_patch.testing.harness.Harness` with a `kv_transfer_config`), the one
+construction path of the tests, the conformance scenarios and the fuzzer.
 The grammar future of a request can be held back (`hold_grammar`) and
 released (`release_grammar`) to control the order "grammar ready" vs
 "KV arrived"; every block free is recorded to check "freed exactly once".
@@ -18,8 +21,6 @@ import itertools
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-
 from vllm_patch.testing import tiny_model
 
 EOS, IM_END = tiny_model.EOS, tiny_model.IM_END
@@ -28,65 +29,30 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0
           "required": ["a"], "additionalProperties": False}
 
 
-def _accepts(cls: Any, name: str) -> bool:
-    return name in inspect.signature(cls).parameters
-
-
 class PDDecodeSched:
     def __init__(self, *, async_scheduling: bool = False, num_spec_tokens: int = 0,
                  kv_load_failure_policy: str = "fail", block_size: int = 16,
                  num_blocks: int = 128) -> None:
-        from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig,
-                                 SchedulerConfig, SpeculativeConfig,
-                                 StructuredOutputsConfig, VllmConfig)
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
-                                                KVCacheGroupSpec)
-        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.config import KVTransferConfig
 
-        path = str(tiny_model.build_target())
+        from vllm_patch.testing.harness import Harness
+
         self.block_size = block_size
         self.num_spec_tokens = num_spec_tokens
-        mc = ModelConfig(model=path, tokenizer=path, dtype="float32", seed=0,
-                         max_model_len=512)
-        cc = CacheConfig(block_size=block_size, enable_prefix_caching=True)
-        sk = dict(max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=512,
-                  enable_chunked_prefill=True)
-        if _accepts(SchedulerConfig, "is_encoder_decoder"):
-            sk["is_encoder_decoder"] = False
-        sc = SchedulerConfig(**sk)
-        spec = None
-        if num_spec_tokens:
-            spec = SpeculativeConfig(method="ngram", num_speculative_tokens=num_spec_tokens,
-                                     prompt_lookup_max=2, prompt_lookup_min=1)
+        # One construction path for the scheduler (config, kwargs probed per
+        # vLLM version, block hasher): the scheduler harness, with the
+        # connector's scheduler side built by vLLM from kv_transfer_config.
         kv = KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer",
                               kv_load_failure_policy=kv_load_failure_policy)
-        self.vllm_config = VllmConfig(
-            model_config=mc, cache_config=cc, scheduler_config=sc,
-            speculative_config=spec, kv_transfer_config=kv,
-            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
-                                                              disable_any_whitespace=True))
-        self.vllm_config.scheduler_config.async_scheduling = async_scheduling
-        cc.num_gpu_blocks = num_blocks
-        kvc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(
-                block_size=block_size, num_kv_heads=1, head_size=32, dtype=torch.float32))])
-        self.som = StructuredOutputManager(self.vllm_config)
-        if async_scheduling:
-            from vllm.v1.core.sched.async_scheduler import AsyncScheduler as cls
-        else:
-            from vllm.v1.core.sched.scheduler import Scheduler as cls
-        kw: dict[str, Any] = dict(vllm_config=self.vllm_config, kv_cache_config=kvc,
-                                  structured_output_manager=self.som, log_stats=True,
-                                  block_size=block_size)
-        if _accepts(cls, "hash_block_size"):
-            kw["hash_block_size"] = block_size
-        self.sched = cls(**kw)
-        from vllm.utils.hashing import get_hash_fn_by_name
-
-        hf = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
-        init_none_hash(hf)
-        self._hasher = get_request_block_hasher(block_size, hf)
+        self.harness = Harness(
+            "xgrammar", async_scheduling=async_scheduling,
+            num_spec_tokens=num_spec_tokens, block_size=block_size,
+            num_blocks=num_blocks, max_num_seqs=16, max_num_batched_tokens=1024,
+            kv_transfer_config=kv, disable_any_whitespace=True)
+        self.vllm_config = self.harness.vllm_config
+        self.som = self.harness.structured_output_manager
+        self.sched = self.harness.scheduler
+        self._hasher = self.harness._block_hasher  # noqa: SLF001
         self.tokenizer = self.som.tokenizer
         self._ids = itertools.count()
         self.requests: dict[str, Any] = {}

@@ -24,10 +24,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_patch.testing.harness import EOS, IM_END, Harness
+from vllm_patch.testing.harness import END_THINK, EOS, IM_END, THINK, Harness
 from vllm_patch.v1.core.sched import invariants as inv
 
-PROPERTIES = inv.INVARIANTS + ("exception",)
+# not_drained: after every request was aborted and the engine ran on, the
+# scheduler still holds a request, a transfer, or connector bookkeeping.
+PROPERTIES = inv.INVARIANTS + ("exception", "not_drained")
 
 # (kind, spec, sample completions). Kinds: regex, choice, json, grammar.
 GRAMMARS: list[tuple[str, Any, list[str]]] = [
@@ -51,7 +53,8 @@ _BACKEND_KINDS = {
     "outlines": ("regex", "choice", "json"),
 }
 BACKENDS = tuple(_BACKEND_KINDS)
-PROMPTS = ["xy", "xyxy", "hello", "ab cd", "xyxyxyxyxy"]
+PROMPTS = ["xy", "xyxy", "hello", "ab cd", "xyxyxyxyxy",
+           "1 2 3 4 5 6 7 8 9 0 1 2"]
 FILLER = ["a", "b", "c", "d", "e", "x", "y", "z", "1", "!", " "]
 
 
@@ -67,6 +70,22 @@ class RequestSpec:
     logprobs: int | None
     arrive: int                # engine step at which it is added
     abort_at: int | None       # engine step at which it is aborted
+    # KV connector (EpisodeSpec.kv set): 0 local prefill; 1 decode
+    # instance, KV pulled from a remote prefill (do_remote_prefill); 2
+    # prefill instance (do_remote_decode: blocks pinned after the finish
+    # until the simulated worker reports them sent).
+    remote: int = 0
+    kv_delay: int = 0          # steps until the transfer is reported
+    kv_fail: str | None = None  # KVWorkerSim failure: blocks/request/nixl
+    kv_fail_block: int = 0     # which block fails ("blocks")
+    # The grammar compile finishes hold_grammar engine steps after arrival
+    # (None: ready when added); grammar_error: the compile fails.
+    hold_grammar: int | None = None
+    grammar_error: bool = False
+    # Reasoning episodes (EpisodeSpec.reasoning): the model aims at `think`
+    # reasoning tokens, then </think>, then the grammar's completion; 3:
+    # the prompt already ends the reasoning (<think></think>).
+    think: int = 0
 
 
 @dataclass
@@ -81,6 +100,12 @@ class EpisodeSpec:
     p_accept: float            # an allowed draft is accepted
     p_follow: float            # model follows its target completion
     seed: int
+    # KV connector: None, or NixlConnector (scheduler side, kv_both) with
+    # this kv_load_failure_policy ("fail" / "recompute"); worker simulated.
+    kv: str | None = None
+    # vLLM's deepseek_r1 reasoning parser on the tiny tokenizer's
+    # <think>/</think>: the grammar starts after the reasoning end.
+    reasoning: bool = False
 
 
 @dataclass
@@ -97,11 +122,16 @@ def episodes() -> Any:
     from hypothesis import strategies as st
 
     @st.composite
-    def request(draw: Any, backend: str) -> RequestSpec:
+    def request(draw: Any, backend: str, kv: str | None,
+                reasoning: bool) -> RequestSpec:
         kinds = _BACKEND_KINDS[backend]
         choices = [i for i, g in enumerate(GRAMMARS) if g[0] in kinds]
         g = draw(st.one_of(st.none(), st.sampled_from(choices),
                            st.sampled_from(choices)))
+        remote = draw(st.sampled_from([0, 1, 1, 1, 2])) if kv else 0
+        hold = None
+        if g is not None:
+            hold = draw(st.one_of(st.none(), st.none(), st.integers(0, 4)))
         return RequestSpec(
             grammar=g,
             completion=draw(st.integers(0, 1)),
@@ -114,6 +144,15 @@ def episodes() -> Any:
             arrive=draw(st.sampled_from([0, 0, 0, 1, 3])),
             abort_at=draw(st.one_of(st.none(), st.none(), st.none(),
                                     st.integers(1, 10))),
+            remote=remote,
+            kv_delay=draw(st.integers(0, 4)) if remote else 0,
+            kv_fail=draw(st.sampled_from([None, None, "blocks", "request",
+                                          "nixl"])) if remote == 1 else None,
+            kv_fail_block=draw(st.integers(0, 3)) if remote == 1 else 0,
+            hold_grammar=hold,
+            grammar_error=draw(st.sampled_from([False] * 7 + [True]))
+            if hold is not None else False,
+            think=draw(st.integers(0, 3)) if reasoning else 0,
         )
 
     @st.composite
@@ -122,17 +161,22 @@ def episodes() -> Any:
         async_ = draw(st.booleans())
         depth = draw(st.integers(2, 3)) if async_ else \
             draw(st.sampled_from([1, 1, 2]))
+        kv = draw(st.sampled_from([None, None, None, "fail", "recompute"]))
+        reasoning = draw(st.sampled_from([False, False, False, True]))
         return EpisodeSpec(
             backend=backend,
             async_scheduling=async_,
             depth=depth,
             num_spec_tokens=draw(st.integers(0, 3)),
             num_blocks=draw(st.integers(12, 40)),
-            requests=draw(st.lists(request(backend), min_size=2, max_size=8)),
+            requests=draw(st.lists(request(backend, kv, reasoning),
+                                   min_size=2, max_size=8)),
             p_bad=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
             p_accept=draw(st.sampled_from([0.3, 0.7, 0.95])),
             p_follow=draw(st.sampled_from([0.5, 0.9])),
             seed=draw(st.integers(0, 2**16)),
+            kv=kv,
+            reasoning=reasoning,
         )
 
     return episode()
@@ -148,16 +192,21 @@ class _Model:
         self.rng = random.Random(spec.seed)
         self.vocab = len(h.tokenizer)
         self.filler = [h.encode(s)[0] for s in FILLER] + [EOS, IM_END]
+        if spec.reasoning:
+            self.filler.append(END_THINK)
         self.z = h.tok("z")
         self.targets: dict[str, list[int]] = {}
         self.req: dict[str, RequestSpec] = targets
         for rid, rs in targets.items():
+            think: list[int] = []
             if rs.grammar is None:
                 text = "xyzab"
             else:
                 comps = GRAMMARS[rs.grammar][2]
                 text = comps[rs.completion % len(comps)]
-            self.targets[rid] = h.encode(text) + [EOS]
+                if spec.reasoning and rs.think < 3:
+                    think = h.encode("hmm ok")[: rs.think] + [END_THINK]
+            self.targets[rid] = think + h.encode(text) + [EOS]
         self._rows: dict[bytes, np.ndarray] = {}
 
     def allowed(self, row: np.ndarray | None) -> np.ndarray | None:
@@ -255,14 +304,26 @@ class FuzzHarness(Harness):
     engine_logprobs = True
 
 
+def kv_transfer_config(policy: str) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both",
+                            kv_load_failure_policy=policy)
+
+
 def run_episode(spec: EpisodeSpec, raise_exceptions: bool = False) -> Result:
     from vllm.v1.request import RequestStatus
+
+    from vllm_patch.testing.harness import KVWorkerSim
 
     res = Result()
     h = FuzzHarness(spec.backend, async_scheduling=spec.async_scheduling,
                 num_spec_tokens=spec.num_spec_tokens, block_size=4,
                 num_blocks=spec.num_blocks, max_num_seqs=8,
-                max_num_batched_tokens=64)
+                max_num_batched_tokens=64,
+                kv_transfer_config=kv_transfer_config(spec.kv)
+                if spec.kv else None,
+                reasoning_parser="deepseek_r1" if spec.reasoning else None)
     sched = h.scheduler
     chk = inv.instrument(sched)
     inv.set_mode(sched, "record", res.violations.append)
@@ -272,29 +333,56 @@ def run_episode(spec: EpisodeSpec, raise_exceptions: bool = False) -> Result:
     h.engine_setup(spec.depth,
                    sampler=model.sampler,
                    drafter=model.drafter if spec.num_spec_tokens else None)
+    if spec.kv:
+        def plan(rid: str, kind: str) -> tuple[int, str | None]:
+            rs = rids.get(rid)
+            if rs is None:
+                return 0, None
+            return rs.kv_delay, (rs.kv_fail if kind == "recv" else None)
+
+        h.kv_worker = KVWorkerSim(
+            plan, lambda rid, n: rids[rid].kv_fail_block if rid in rids else 0)
     added: set[str] = set()
+    held: dict[str, int] = {}
+
+    def release(rid: str) -> None:
+        h.release_grammar(rid, error=rids[rid].grammar_error)
+        held.pop(rid, None)
+
     try:
         for step in range(120):
             for rid, rs in rids.items():
                 if rid not in added and rs.arrive <= step:
                     _add(h, rid, rs)
                     added.add(rid)
+                    if rs.hold_grammar is not None and rs.grammar is not None:
+                        held[rid] = step + rs.hold_grammar
                 elif rid in added and rs.abort_at == step and \
                         not h.request(rid).is_finished():
                     sched.finish_requests([rid],
                                           RequestStatus.FINISHED_ABORTED)
+            for rid, at in list(held.items()):
+                if at <= step:
+                    release(rid)
             h.engine_step()
             res.steps += 1
-            if len(added) == len(rids) and not sched.has_requests() \
-                    and not h.batch_queue:
+            if len(added) == len(rids) and not held and \
+                    not sched.has_requests() and not h.batch_queue:
                 break
+        for rid in list(held):
+            release(rid)
         live = [r for r in added if not h.request(r).is_finished()]
         if live:
             sched.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-        for _ in range(10):
-            if not h.batch_queue and not sched.has_requests():
+        for _ in range(30):
+            if not h.batch_queue and not sched.has_requests() and \
+                    not (h.kv_worker and h.kv_worker.busy()):
                 break
             h.engine_step()
+        left = _leftovers(h)
+        if left:
+            res.violations.append(inv.Violation(
+                "not_drained", None, f"after the drain: {left}", left))
         chk.check_idle()
     except Exception as exc:  # noqa: BLE001
         if raise_exceptions:
@@ -306,12 +394,49 @@ def run_episode(spec: EpisodeSpec, raise_exceptions: bool = False) -> Result:
     return res
 
 
+def _leftovers(h: Harness) -> dict[str, Any]:
+    sched = h.scheduler
+    left: dict[str, Any] = {}
+    if sched.requests:
+        left["requests"] = {r: q.status.name for r, q in sched.requests.items()}
+    if h.batch_queue:
+        left["batch_queue"] = len(h.batch_queue)
+    if h.kv_worker is not None and h.kv_worker.busy():
+        left["transfers"] = [(k, r) for _, k, r, _, _ in h.kv_worker.pending]
+    for name in ("finished_recving_kv_req_ids", "failed_recving_kv_req_ids"):
+        ids = getattr(sched, name, None)
+        if ids:
+            left[name] = sorted(ids)
+    return left
+
+
+def _kv_params(h: Harness, rid: str, rs: RequestSpec,
+               prompt: list[int]) -> dict[str, Any] | None:
+    if rs.remote == 1:
+        return dict(do_remote_prefill=True, do_remote_decode=False,
+                    remote_engine_id="prefill-engine",
+                    remote_request_id=f"p-{rid}",
+                    remote_block_ids=list(range(
+                        (len(prompt) + h.block_size - 1) // h.block_size)),
+                    remote_host="127.0.0.1", remote_port=1234, tp_size=1)
+    if rs.remote == 2:
+        return dict(do_remote_decode=True, do_remote_prefill=False)
+    return None
+
+
 def _add(h: Harness, rid: str, rs: RequestSpec) -> None:
     kw: dict[str, Any] = {}
     if rs.grammar is not None:
         kind, g, _ = GRAMMARS[rs.grammar]
         kw[kind] = g
-    h.add_request(h.encode(PROMPTS[rs.prompt]), request_id=rid,
+        kw["hold_grammar"] = rs.hold_grammar is not None
+    prompt = h.encode(PROMPTS[rs.prompt % len(PROMPTS)])
+    if rs.think == 3 and rs.grammar is not None and \
+            h.vllm_config.structured_outputs_config.reasoning_parser:
+        prompt = prompt + [THINK, END_THINK]
+    if h.kv_worker is not None:
+        kw["kv_transfer_params"] = _kv_params(h, rid, rs, prompt)
+    h.add_request(prompt, request_id=rid,
                   ignore_eos=rs.ignore_eos, max_tokens=rs.max_tokens,
                   min_tokens=min(rs.min_tokens, rs.max_tokens), logprobs=rs.logprobs,
                   stop_token_ids=[h.tok("z")] if rs.stop else None, **kw)

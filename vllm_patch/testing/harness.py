@@ -115,6 +115,9 @@ class Harness:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = True,
+        kv_transfer_config: Any = None,
+        disable_any_whitespace: bool = False,
+        max_logprobs: int = 5,
     ) -> None:
         from vllm.config import (
             CacheConfig,
@@ -143,7 +146,7 @@ class Harness:
 
         model_config = ModelConfig(
             model=path, tokenizer=path, dtype="float32", seed=0,
-            max_model_len=max_model_len, max_logprobs=5,
+            max_model_len=max_model_len, max_logprobs=max_logprobs,
         )
         cache_config = CacheConfig(
             block_size=block_size, enable_prefix_caching=enable_prefix_caching,
@@ -168,15 +171,21 @@ class Harness:
                 method="ngram", num_speculative_tokens=num_spec_tokens,
                 prompt_lookup_max=2, prompt_lookup_min=1,
             )
-        so_config = StructuredOutputsConfig(
-            backend=backend, reasoning_parser=reasoning_parser or "",
-        )
+        so_kw: dict[str, Any] = dict(backend=backend,
+                                     reasoning_parser=reasoning_parser or "")
+        if disable_any_whitespace:
+            so_kw["disable_any_whitespace"] = True
+        so_config = StructuredOutputsConfig(**so_kw)
+        # kv_transfer_config (a vllm.config.KVTransferConfig): the scheduler
+        # builds the connector's scheduler side from it, as in a P/D
+        # instance; the worker side is simulated (`KVWorkerSim`).
         self.vllm_config = VllmConfig(
             model_config=model_config,
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             speculative_config=speculative_config,
             structured_outputs_config=so_config,
+            kv_transfer_config=kv_transfer_config,
         )
         # VllmConfig validation turns async off for some combinations (CPU,
         # ngram); set it afterwards, as the audit did.
@@ -218,6 +227,8 @@ class Harness:
 
         self.tokenizer = self.structured_output_manager.tokenizer
         self.generation_config = model_config.try_get_generation_config()
+        self._held: dict[str, Any] = {}
+        self.kv_worker: KVWorkerSim | None = None
 
         self._ids = itertools.count()
         self.emitted_by_req: dict[str, Emitted] = {}
@@ -253,9 +264,15 @@ class Harness:
         max_tokens: int = 64,
         request_id: str | None = None,
         wait: bool = True,
+        kv_transfer_params: dict[str, Any] | None = None,
+        hold_grammar: bool = False,
     ) -> str:
         """Add a request the way EngineCore does (params verified, generation
-        config applied, grammar compiling). Returns the request id."""
+        config applied, grammar compiling). Returns the request id.
+        `kv_transfer_params`: the request's P/D params (needs a
+        kv_transfer_config). `hold_grammar`: the grammar looks still
+        compiling until `release_grammar(rid)` (deterministic order of
+        "grammar ready" vs other events)."""
         from vllm.sampling_params import SamplingParams, StructuredOutputsParams
         from vllm.v1.request import Request
 
@@ -282,14 +299,33 @@ class Harness:
             pooling_params=None,
             block_hasher=self._block_hasher,
         )
+        if kv_transfer_params is not None:
+            req.kv_transfer_params = dict(kv_transfer_params)
         if req.use_structured_output:
             self.structured_output_manager.grammar_init(req)
+            if hold_grammar:
+                from concurrent.futures import Future
+
+                so_req = req.structured_output_request
+                held: Future = Future()
+                self._held[rid] = (held, so_req._grammar)  # noqa: SLF001
+                so_req.grammar = held
+                wait = False
         self.scheduler.add_request(req)
         self.requests[rid] = req
         self.emitted_by_req[rid] = Emitted()
         if wait and req.use_structured_output:
             self.wait_for_grammar(rid)
         return rid
+
+    def release_grammar(self, rid: str, error: bool = False) -> None:
+        """Finish the held grammar compile of `rid` (with `error`: as a
+        failed compile)."""
+        held, real = self._held.pop(rid)
+        if error:
+            held.set_exception(ValueError("grammar failed to compile (test)"))
+            return
+        held.set_result(real.result() if hasattr(real, "result") else real)
 
     def wait_for_grammar(self, rid: str, timeout: float = 60.0) -> None:
         so_req = self.requests[rid].structured_output_request
@@ -496,6 +532,8 @@ class Harness:
 
     def _engine_launch(self, so: Any) -> None:
         rec: StepRecord = so._vllm_patch_record
+        if self.kv_worker is not None:
+            self.kv_worker.launch(so)
         samples = []
         for rid in so.num_scheduled_tokens:
             req = self.scheduler.requests.get(rid)
@@ -535,8 +573,13 @@ class Harness:
 
         kv = None
         failed, recompute = self._kv_fail.pop(id(so), (None, ()))
+        kw: dict[str, Any] = {}
+        if self.kv_worker is not None:
+            kw = self.kv_worker.output(so)
         if failed:
-            kv = KVConnectorOutput(invalid_block_ids=failed)
+            kw["invalid_block_ids"] = set(kw.get("invalid_block_ids", ())) | failed
+        if kw:
+            kv = KVConnectorOutput(**kw)
         out = fake_runner_output(so, so._vllm_patch_record.sampled,
                                  logprobs=self.engine_logprobs,
                                  kv_connector_output=kv)
@@ -673,6 +716,106 @@ class Harness:
         live = [r for r, q in self.requests.items() if not q.is_finished()]
         if live:
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+
+
+class KVWorkerSim:
+    """The worker side of a KV connector, simulated from the connector
+    metadata the real scheduler side (e.g. NixlConnector's) puts in each
+    scheduler output, as the engine-loop emulation's model runner output:
+
+    - a load listed in `reqs_to_recv` (its local blocks; only when it
+      awaits KV, as NixlConnector's worker decides) is reported in
+      `finished_recving` in the output of the step launched `delay` steps
+      after the one that carried it (0: the same step), failed or not;
+    - a send listed in `reqs_to_send` (blocks pinned after a prefill
+      instance's request finished) is reported in `finished_sending`
+      likewise;
+    - `plan(req_id, kind) -> (delay, failure)` decides, once per transfer;
+      failure (loads only): None, "blocks" (some block ids in
+      `invalid_block_ids`, from `fail_block`), "request" (`failed_recving`
+      only) or "nixl" (NixlConnector's worker: `failed_recving` and every
+      local block in `invalid_block_ids`).
+
+    A transfer is never reported in the output of a step launched before
+    the step that carried it (the worker runs steps in order)."""
+
+    def __init__(self, plan: Any, fail_block: Any = None) -> None:
+        self.plan = plan
+        self.fail_block = fail_block or (lambda rid, n: 0)
+        self.seq = 0
+        self.seq_of: dict[int, int] = {}
+        # (due seq, kind, req_id, block ids, failure)
+        self.pending: list[tuple[int, str, str, list[int], str | None]] = []
+        self.started: set[tuple[str, str]] = set()
+        self.reported: list[tuple[str, str, str | None]] = []
+        self.has_failed_recving = "failed_recving" in _fields("KVConnectorOutput")
+
+    def launch(self, so: Any) -> None:
+        self.seq += 1
+        self.seq_of[id(so)] = self.seq
+        meta = getattr(so, "kv_connector_metadata", None)
+        if meta is None:
+            return
+        for rid, m in (getattr(meta, "reqs_to_recv", None) or {}).items():
+            # NixlConnector's worker awaits (and reports) a receive only
+            # when there is something to load; notify-only entries (full
+            # local hit, cleanup of an aborted request) are never reported.
+            if not (getattr(m, "awaiting_kvs", False)
+                    or any(m.local_block_ids or ())):
+                continue
+            if ("recv", rid) in self.started:
+                continue
+            self.started.add(("recv", rid))
+            blocks = [b for g in (m.local_block_ids or ()) for b in g]
+            delay, failure = self.plan(rid, "recv")
+            self.pending.append((self.seq + delay, "recv", rid, blocks, failure))
+        for rid in (getattr(meta, "reqs_to_send", None) or {}):
+            if ("send", rid) in self.started:
+                continue
+            self.started.add(("send", rid))
+            delay, _ = self.plan(rid, "send")
+            self.pending.append((self.seq + delay, "send", rid, [], None))
+
+    def output(self, so: Any) -> dict[str, Any]:
+        seq = self.seq_of.pop(id(so), self.seq)
+        kw: dict[str, Any] = {}
+        keep = []
+        for item in self.pending:
+            due, kind, rid, blocks, failure = item
+            if due > seq:
+                keep.append(item)
+                continue
+            self.reported.append((kind, rid, failure))
+            if kind == "send":
+                kw.setdefault("finished_sending", set()).add(rid)
+                continue
+            kw.setdefault("finished_recving", set()).add(rid)
+            if failure in ("request", "nixl") and not self.has_failed_recving:
+                failure = "blocks" if failure == "request" else "all"
+            if failure in ("request", "nixl"):
+                kw.setdefault("failed_recving", set()).add(rid)
+            if failure in ("nixl", "all") and blocks:
+                kw.setdefault("invalid_block_ids", set()).update(blocks)
+            elif failure == "blocks" and blocks:
+                i = self.fail_block(rid, len(blocks)) % len(blocks)
+                kw.setdefault("invalid_block_ids", set()).add(blocks[i])
+        self.pending = keep
+        return kw
+
+    def busy(self) -> bool:
+        return bool(self.pending)
+
+
+def _fields(name: str) -> set[str]:
+    import dataclasses
+
+    from vllm.v1 import outputs
+
+    cls = getattr(outputs, name, None)
+    try:
+        return {f.name for f in dataclasses.fields(cls)}
+    except TypeError:
+        return set()
 
 
 def _accepts(cls: Any, name: str) -> bool:

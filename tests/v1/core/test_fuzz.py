@@ -6,8 +6,15 @@ Patched: no invariant violation and no escaping exception in any episode
 Stock (VLLM_PATCH_DISABLE=1): the same budget must find violations (G2:
 post_terminal / grammar_prefix), so this test can fail.
 
+Episodes include KV-connector episodes (NixlConnector scheduler side,
+simulated worker: loads and sends, failures with kv_load_failure_policy
+fail / recompute, aborts while a transfer is pending), held / failing
+grammar compiles, and reasoning episodes (deepseek_r1 parser, the grammar
+starts after </think>); the patched test checks that the budget covers them.
+
 Budget: VLLM_PATCH_FUZZ_EXAMPLES episodes (default 400, about a minute per
-mode per vLLM version on 2 cores); derandomized for CI reproducibility.
+mode per vLLM version on 2 idle cores); derandomized for CI
+reproducibility.
 """
 
 from __future__ import annotations
@@ -50,16 +57,47 @@ def _quiet():
     lg.setLevel(old)
 
 
+def _coverage(spec, seen: collections.Counter) -> None:
+    seen["episodes"] += 1
+    seen[f"kv={spec.kv}"] += 1
+    seen[f"reasoning={spec.reasoning}"] += 1
+    for rs in spec.requests:
+        if spec.kv and rs.remote:
+            seen[f"remote={rs.remote}"] += 1
+            if rs.kv_fail:
+                seen[f"kv_fail={rs.kv_fail}"] += 1
+            if rs.abort_at is not None and rs.remote == 1:
+                seen["abort_remote"] += 1
+        if rs.hold_grammar is not None and rs.grammar is not None:
+            seen["held_grammar"] += 1
+        if spec.reasoning and rs.grammar is not None:
+            seen[f"think={rs.think}"] += 1
+
+
 def test_fuzz_patched_no_violation(patched):
     if not patched:
         pytest.skip("patched property; stock run: test_fuzz_stock_breaks")
+    seen: collections.Counter[str] = collections.Counter()
 
     def check(spec, res):
+        _coverage(spec, seen)
         assert not res.violations, (
             f"{len(res.violations)} violation(s), first: "
             f"{res.violations[0]}\nepisode: {spec!r}")
 
     _run(check, shrink=True)
+    print(f"patched: coverage {dict(seen)}")
+    if EXAMPLES >= 200:
+        # The budget reaches every episode family: KV-connector episodes
+        # (both failure policies, decode and prefill side, every failure
+        # kind, aborts while a transfer may be pending), held grammar
+        # compiles, reasoning episodes (every think kind).
+        want = ["kv=fail", "kv=recompute", "remote=1", "remote=2",
+                "kv_fail=blocks", "kv_fail=request", "kv_fail=nixl",
+                "abort_remote", "held_grammar", "reasoning=True",
+                "think=0", "think=1", "think=2", "think=3"]
+        missing = [k for k in want if not seen[k]]
+        assert not missing, (missing, dict(seen))
 
 
 def test_fuzz_stock_breaks(patched):

@@ -91,23 +91,97 @@ def test_detects_negative_placeholders_and_leak(patched):
     assert got[-1].invariant == "idle_pool" and got[-1].request_id is None
 
 
-def test_serving_counts_on_prometheus_and_logs_once(caplog):
-    from prometheus_client import REGISTRY
+def _serve_and_corrupt(h: Harness):
+    """Serving mode; a request whose placeholders go negative for three
+    steps: one violation (once per request and invariant)."""
+    from vllm_patch.testing.harness import fake_runner_output
 
-    h = Harness("xgrammar")
     inv.instrument(h.scheduler)
     inv.set_mode(h.scheduler, "serve")
-    name = "vllm_patch_invariant_violations_total"
-    before = REGISTRY.get_sample_value(name, {"invariant": "placeholders"}) or 0
     rid = h.add_request([70, 71], max_tokens=4)
     h.step({rid: [h.tok("a")]})
     h.request(rid).num_output_placeholders = -2
-    h.step({rid: [h.tok("a")]})
-    h.step({rid: [h.tok("a")]})
+    outputs = []
+    for _ in range(2):
+        so = h.schedule()
+        h._grammar(so)  # noqa: SLF001
+        outputs.append(h.scheduler.update_from_output(
+            so, fake_runner_output(so, {rid: [h.tok("a")]})))
+    return rid, outputs
+
+
+def _field_applied() -> bool:
+    from vllm_patch import patching
+    from vllm_patch.v1.metrics.stats import FIELD_PATCH
+
+    o = patching.REGISTRY.outcomes.get(FIELD_PATCH)
+    return o is not None and o.state is patching.State.APPLIED
+
+
+def test_serving_counts_on_prometheus_and_logs_once(caplog):
+    """Serving mode counts each (request, invariant) once on
+    vllm_patch_invariant_violations_total and logs it once: through the
+    step's SchedulerStats and the frontend's Prometheus logger when the
+    stats field is patched in (checker on), else directly."""
+    from prometheus_client import REGISTRY
+
+    from vllm_patch.v1.metrics import loggers
+    from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+
+    name = "vllm_patch_invariant_violations_total"
+    before = REGISTRY.get_sample_value(name, {"invariant": "placeholders"}) or 0
+    _, outputs = _serve_and_corrupt(Harness("xgrammar"))
+    carried = [getattr(eco.scheduler_stats, INVARIANT_FIELD, None)
+               for out in outputs for eco in out.values()
+               if eco.scheduler_stats is not None]
+    if _field_applied():
+        assert carried == [{"placeholders": 1}, None]
+        for c in carried:  # what the frontend's logger does with them
+            loggers.count(c)
+    else:
+        assert not any(carried)
     after = REGISTRY.get_sample_value(name, {"invariant": "placeholders"})
     assert after == before + 1  # once per request and invariant
     assert sum("invariant placeholders violated" in r.getMessage()
                for r in caplog.records) == 1
+
+
+def test_violation_counts_reach_frontend_prometheus(patched):
+    """The plumbing a multiprocess engine uses: the count put on the step's
+    SchedulerStats in the engine core survives vLLM's msgpack transport
+    (EngineCoreOutputs) and vLLM's PrometheusStatLogger.record, patched,
+    adds it to vllm_patch_invariant_violations_total on the frontend's
+    registry. Stock (nothing applied): no field, the logger adds nothing."""
+    from prometheus_client import REGISTRY
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+
+    h = Harness("xgrammar")
+    _, outputs = _serve_and_corrupt(h)
+    eco = next(iter(outputs[0].values()))
+    wire = MsgpackEncoder().encode(eco)
+    back = MsgpackDecoder(EngineCoreOutputs).decode(wire)
+    name = "vllm_patch_invariant_violations_total"
+    before = REGISTRY.get_sample_value(name, {"invariant": "placeholders"}) or 0
+    PrometheusStatLogger(h.vllm_config, engine_indexes=[0]).record(
+        back.scheduler_stats, None, None, 0)
+    after = REGISTRY.get_sample_value(name, {"invariant": "placeholders"}) or 0
+    if not patched or not _field_applied():
+        assert INVARIANT_FIELD not in SchedulerStats.__dataclass_fields__ \
+            or INVARIANT_FIELD not in SchedulerStats.__dict__
+        assert after == before
+        return
+    assert back.scheduler_stats.__dict__.get(INVARIANT_FIELD) == \
+        {"placeholders": 1}
+    assert after == before + 1
+    # Stats without violations (every other step) carry None and count 0.
+    quiet = MsgpackDecoder(EngineCoreOutputs).decode(
+        MsgpackEncoder().encode(next(iter(outputs[1].values()))))
+    assert getattr(quiet.scheduler_stats, INVARIANT_FIELD) is None
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance", "outlines"])
@@ -135,3 +209,35 @@ def test_clean_run_no_violation(backend, async_, patched):
     h.drain()
     inv.checker(h.scheduler).check_idle()
     assert h.emitted(a).finish_reason == "stop"
+
+
+def test_detects_double_free_and_referenced_block_at_idle(patched):
+    """Every block is freed exactly once: a second free of a block (its
+    ref_cnt already 0) is double_free; a block still referenced at idle
+    is idle_pool even when the free count looks right."""
+    h = Harness("xgrammar")
+    c = inv.instrument(h.scheduler)
+    got = []
+    inv.set_mode(h.scheduler, "record", got.append)
+    pool = h.scheduler.kv_cache_manager.block_pool
+    blocks = pool.get_new_blocks(2)
+    pool.free_blocks(blocks)
+    assert got == []
+    pool.free_blocks(blocks[:1])  # freed twice
+    assert [v.invariant for v in got] == ["double_free"]
+    assert blocks[0].ref_cnt == -1  # record mode lets the free happen
+    blocks[0].ref_cnt = 0  # repair the pool for the next part
+    got.clear()
+    c.reported.clear()
+    # The same block twice in one call with one reference: also double.
+    b = pool.get_new_blocks(1)
+    pool.free_blocks(b + b)
+    assert [v.invariant for v in got] == ["double_free"]
+    got.clear()
+    c.reported.clear()
+    blk = pool.blocks[1] if not pool.blocks[1].is_null else pool.blocks[2]
+    blk.ref_cnt = 1  # referenced, yet (wrongly) still in the free queue
+    c.check_idle()
+    assert [v.invariant for v in got] == ["idle_pool"]
+    assert "still referenced" in got[0].detail
+    blk.ref_cnt = 0

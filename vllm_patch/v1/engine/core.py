@@ -17,6 +17,7 @@ from typing import Any
 from vllm_patch.patching import NAME_ATTR, Patch
 
 PROBE_METHOD = "vllm_patch_probe"
+INJECT_METHOD = "vllm_patch_inject_invariant_violation"
 
 
 def _qualname(klass: type) -> str:
@@ -98,6 +99,32 @@ def _make_probe(original: Any) -> Any:
     return vllm_patch_probe
 
 
+def _make_inject(original: Any) -> Any:
+    assert original is None
+
+    def vllm_patch_inject_invariant_violation(
+            self, invariant: str = "idle_pool",
+            detail: str = "injected (self-test)") -> dict[str, Any]:
+        """Report one violation of `invariant` through the live scheduler's
+        invariant checker, as a real one would be (serving mode: one log
+        line, counted on vllm_patch_invariant_violations_total wherever
+        /metrics is served). Checks the metrics path end to end."""
+        from vllm_patch.v1.core.sched import invariants as inv
+
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None or inv._WRAPPED not in scheduler.__dict__:  # noqa: SLF001
+            return {"injected": False, "reason": "scheduler not checked"}
+        c = inv.checker(scheduler)
+        if c.mode == "raise":
+            return {"injected": False, "reason": "checker raises (tests)"}
+        c.reported.discard((None, invariant))
+        c.violate(invariant, None, detail)
+        return {"injected": True, "pid": os.getpid(),
+                "pending": dict(c.pending_counts)}
+
+    return vllm_patch_inject_invariant_violation
+
+
 PATCHES: list[Patch] = [
     Patch(
         name="engine-core-probe",
@@ -113,5 +140,22 @@ PATCHES: list[Patch] = [
         upstream="none (package infrastructure)",
         remove_when="never; diagnostics",
         new_attribute=True,
+    ),
+    Patch(
+        name="invariants-inject",
+        guarantee="package",
+        target=f"vllm.v1.engine.core:EngineCore.{INJECT_METHOD}",
+        versions=("0.32", "0.33"),
+        signature=(),
+        make=_make_inject,
+        why=("prove that a violation found by the checker in the engine-core "
+             "process reaches the frontend's /metrics"),
+        how=(f"adds EngineCore.{INJECT_METHOD}(invariant), reachable through "
+             "vLLM's utility calls; it reports one violation through the live "
+             "scheduler's checker (VLLM_PATCH_CHECK_INVARIANTS=1 only)"),
+        upstream="none (package diagnostics, issue 8)",
+        remove_when="never; diagnostics",
+        new_attribute=True,
+        enabled=lambda s: s.check_invariants and not s.disable,
     ),
 ]

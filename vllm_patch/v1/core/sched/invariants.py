@@ -24,23 +24,40 @@ wrapped when it is off):
                       same next-token bitmask, and (xgrammar, outlines) the
                       same num_processed_tokens
   stop_complete       a structured request finished with "stop" has a
-                      terminated shadow grammar (complete, grammar-valid)
+                      terminated shadow grammar (complete, grammar-valid);
+                      with a reasoning parser, once the reasoning ended (a
+                      stop inside the reasoning commits no structured
+                      content: vLLM leaves the reasoning unconstrained)
   logprob_rows        logprob rows sent == tokens sent, per output
   finished_blocks     a finished request no longer in `requests` owns no
                       block in any KV manager (freed or moved to the
                       deferred-free list)
   idle_pool           when no request is left and nothing is in flight,
-                      free blocks (+ deferred frees) == pool size - 1
+                      free blocks (+ deferred frees) == pool size - 1, and
+                      no block still has a reference (ref_cnt == 0)
+  double_free         a block is never freed more often than it was taken
+                      (no free of a block whose ref_cnt is already 0);
+                      with idle_pool: every block taken is freed exactly
+                      once
 
-Not checked: requests with a reasoning parser (the grammar starts at the
-reasoning end, which the shadow does not replay); grammars of backends other
+Reasoning parsers: the shadow replays the request's reasoner over the
+committed output (the grammar starts after the reasoning end, or at once
+when the prompt ended the reasoning) and grammar_sync also checks that
+`reasoning_ended` is latched exactly when a reasoning end was committed.
+Not checked: parsers whose reasoning can end implicitly on a content token
+(ParserEngineReasoningAdapter); grammars of backends other
 than xgrammar / guidance / outlines (only the non-grammar invariants);
 guidance exposes no token counter (bitmask + terminated flag only).
 
 On a violation: `InvariantViolation` (request id, invariant, state) when
 `raise_on_violation()` is on (tests: `VLLM_PATCH_INVARIANTS_RAISE=1` or
 `set_mode("raise")`); otherwise one error log line per request and invariant
-and `vllm_patch_invariant_violations_total{invariant=...}` is incremented.
+and `vllm_patch_invariant_violations_total{invariant=...}` is incremented:
+with stats logging on, the count rides on the step's `SchedulerStats` (field
+added by `invariants-scheduler-stats-field`) to the frontend, whose
+Prometheus logger counts it (`invariants-prometheus-record`), so /metrics
+shows it also when the engine core is a separate process; without stats
+logging, on this process's registry directly.
 The fuzzer uses `set_mode("record", ...)` on one scheduler to collect all.
 """
 
@@ -58,7 +75,7 @@ logger = logging.getLogger("vllm_patch")
 INVARIANTS = (
     "computed_le_tokens", "placeholders", "grammar_prefix", "post_terminal",
     "grammar_sync", "stop_complete", "logprob_rows", "finished_blocks",
-    "idle_pool",
+    "idle_pool", "double_free",
 )
 CHECK_PATCH = "invariants-check"
 TRACK_PATCH = "invariants-track-launched"
@@ -84,25 +101,26 @@ class Violation:
     state: dict[str, Any]
 
 
-_COUNTER: Any = None
-
-
 def _counter() -> Any:
     """vllm_patch_invariant_violations_total on prometheus_client's default
-    REGISTRY, which vLLM's /metrics serves in-process, or through the
-    multiprocess collector when PROMETHEUS_MULTIPROC_DIR is set before the
-    engine core starts (vLLM sets it for api_server_count > 1)."""
-    global _COUNTER
-    if _COUNTER is None:
-        try:
-            from prometheus_client import Counter
+    REGISTRY of THIS process (vllm_patch.v1.metrics.loggers)."""
+    from vllm_patch.v1.metrics.loggers import counter
 
-            _COUNTER = Counter("vllm_patch_invariant_violations",
-                               "Scheduler invariant violations found by "
-                               "vllm_patch's checker", ["invariant"])
-        except Exception:  # noqa: BLE001 - metrics must never break serving
-            _COUNTER = False
-    return _COUNTER
+    return counter()
+
+
+def _stats_field_applied() -> bool:
+    """The SchedulerStats field that carries the counts to the frontend is
+    in place (invariants-scheduler-stats-field)."""
+    try:
+        from vllm.v1.metrics.stats import SchedulerStats
+
+        from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+
+        return INVARIANT_FIELD in SchedulerStats.__dataclass_fields__ and \
+            INVARIANT_FIELD in SchedulerStats.__dict__
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _env_raise() -> bool:
@@ -120,10 +138,16 @@ def _post_terminal_applies() -> bool:
 class _Shadow:
     """A fresh grammar of the same spec, fed only committed tokens."""
 
-    __slots__ = ("grammar", "fed", "broken", "terminated", "backend")
+    __slots__ = ("grammar", "fed", "broken", "terminated", "backend",
+                 "reasoning", "ids", "ended_at")
 
     def __init__(self, grammar: Any) -> None:
         self.grammar = grammar
+        # None: not known yet; True: committed output still in the
+        # reasoning (the grammar has not started); False: grammar active.
+        self.reasoning: bool | None = None
+        self.ids: list[int] = []      # prompt + reasoning tokens
+        self.ended_at: int | None = None  # output tokens up to the end
         self.fed = 0
         self.broken = False
         self.terminated = False
@@ -150,7 +174,12 @@ class Checker:
         self.tracking = False
         self.watch: dict[str, Any] = {}
         self.shadows: dict[str, _Shadow | None] = {}
+        # finished request -> (bound, num_computed_tokens) when first seen
+        # finished
+        self.finished_bound: dict[str, tuple[int, int]] = {}
         self.reported: set[tuple[str | None, str]] = set()
+        # serve mode: invariant -> violations not yet put on SchedulerStats
+        self.pending_counts: dict[str, int] = defaultdict(int)
         self.checks = 0
         self.busy_update = False
         self.busy_track = False
@@ -172,9 +201,32 @@ class Checker:
             return
         logger.error("vllm_patch invariant %s violated for request %s: %s; "
                      "state=%s", invariant, rid, detail, state)
+        if getattr(self.scheduler, "log_stats", False) and \
+                _stats_field_applied():
+            # To the frontend with the next SchedulerStats (the engine core
+            # may be another process than the one serving /metrics).
+            self.pending_counts[invariant] += 1
+            return
         c = _counter()
         if c:
             c.labels(invariant=invariant).inc()
+
+    def attach_counts(self, outputs: dict[int, Any]) -> None:
+        """Move the counts not yet reported onto this step's SchedulerStats
+        (vLLM attaches one per step when log_stats is on)."""
+        if not self.pending_counts:
+            return
+        from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+
+        for eco in outputs.values():
+            stats = getattr(eco, "scheduler_stats", None)
+            if stats is not None:
+                mine = dict(getattr(stats, INVARIANT_FIELD, None) or {})
+                for k, n in self.pending_counts.items():
+                    mine[k] = mine.get(k, 0) + n
+                setattr(stats, INVARIANT_FIELD, mine)
+                self.pending_counts.clear()
+                return
 
     def state(self, req: Any) -> dict[str, Any]:
         st: dict[str, Any] = {
@@ -269,6 +321,7 @@ class Checker:
             if req.is_finished() and rid not in sched.requests:
                 self.watch.pop(rid, None)
                 self.shadows.pop(rid, None)
+                self.finished_bound.pop(rid, None)
         self.check_idle()
 
     def check_request(self, req: Any) -> None:
@@ -290,6 +343,18 @@ class Checker:
         # An abort freezes the counters of a request with steps in flight
         # (their outputs are dropped): not a committed state.
         aborted = req.status.name == "FINISHED_ABORTED"
+        if req.is_finished() and not aborted:
+            # A finished request that stays in `requests` (a KV connector
+            # frees its blocks later) keeps the counters it had when it
+            # finished; the outputs of steps then in flight are dropped.
+            # Bound by the state at the finish, and nothing may grow later.
+            first = self.finished_bound.setdefault(
+                rid, (bound, req.num_computed_tokens))
+            bound = first[0]
+            if req.num_computed_tokens > first[1]:
+                self.violate("computed_le_tokens", req,
+                             f"num_computed_tokens={req.num_computed_tokens} "
+                             f"grew after the finish (was {first[1]})")
         if req.num_computed_tokens > bound and not aborted:
             self.violate("computed_le_tokens", req,
                          f"num_computed_tokens={req.num_computed_tokens} > "
@@ -306,9 +371,13 @@ class Checker:
         rid = req.request_id
         so_req = req.structured_output_request
         mgr = self.scheduler.structured_output_manager
-        if getattr(so_req, "reasoner", None) is not None or \
-                getattr(mgr, "reasoner", None) is not None:
-            return  # not checked: reasoning prefix
+        reasoner = None
+        if getattr(mgr, "reasoner_cls", None) is not None and \
+                not getattr(mgr, "enable_in_reasoning", False):
+            reasoner = mgr._get_reasoner(req)  # noqa: SLF001
+            if reasoner is not None and \
+                    type(reasoner).__name__ == "ParserEngineReasoningAdapter":
+                return  # not checked: implicit (content) reasoning ends
         real = so_req.grammar
         if real is None or isinstance(real, Exception):
             return
@@ -324,11 +393,24 @@ class Checker:
         if sh is None:
             return
         out = req.output_token_ids
+        if sh.reasoning is None:
+            # The grammar starts after the reasoning end (unless the prompt
+            # already ended the reasoning): replay the reasoner over the
+            # committed output, as the manager does over accepted tokens.
+            sh.ids = list(req.prompt_token_ids or [])
+            sh.reasoning = reasoner is not None and \
+                not reasoner.is_reasoning_end(sh.ids)
         eos = getattr(mgr.tokenizer, "eos_token_id", None)
         post_terminal = _post_terminal_applies()
         while sh.fed < len(out) and not sh.broken:
             t = out[sh.fed]
             sh.fed += 1
+            if sh.reasoning:
+                sh.ids.append(t)
+                if reasoner.is_reasoning_end_streaming(sh.ids, [t]):
+                    sh.reasoning = False
+                    sh.ended_at = sh.fed
+                continue
             if sh.terminated:
                 if post_terminal:
                     self.violate("post_terminal", req,
@@ -360,8 +442,22 @@ class Checker:
             sh.terminated = bool(g.is_terminated())
         if sh.broken:
             return
+        if sh.ended_at is not None and not so_req.reasoning_ended:
+            self.violate("grammar_sync", req,
+                         f"reasoning ended at output position "
+                         f"{sh.ended_at - 1} but reasoning_ended="
+                         f"{so_req.reasoning_ended}")
+            return
+        if sh.reasoning and so_req.reasoning_ended:
+            self.violate("grammar_sync", req,
+                         "reasoning_ended latched but no reasoning end "
+                         "was committed")
+            return
+        # A stop inside the reasoning (EOS / stop token before the reasoning
+        # end: vLLM leaves reasoning unconstrained) commits no structured
+        # content at all; stop_complete applies once the grammar started.
         if req.is_finished() and req.status.name == "FINISHED_STOPPED" \
-                and not _complete(sh):
+                and not sh.reasoning and not _complete(sh):
             self.violate("stop_complete", req,
                          "finished with 'stop' but the grammar did not "
                          "terminate on the committed output")
@@ -401,6 +497,28 @@ class Checker:
         if free != size:
             self.violate("idle_pool", None,
                          f"idle: {free} free (+deferred) blocks of {size}")
+            return
+        if _deferred(sched):
+            return
+        held = [(b.block_id, b.ref_cnt) for b in pool.blocks
+                if not b.is_null and b.ref_cnt != 0]
+        if held:
+            self.violate("idle_pool", None,
+                         f"idle: blocks still referenced (id, ref_cnt): "
+                         f"{held[:8]}")
+
+    def freeing(self, blocks: list[Any]) -> None:
+        times: dict[int, int] = defaultdict(int)
+        bad = []
+        for b in blocks:
+            if getattr(b, "is_null", False):
+                continue
+            times[id(b)] += 1
+            if b.ref_cnt < times[id(b)]:
+                bad.append(b.block_id)
+        if bad:
+            self.violate("double_free", None,
+                         f"block(s) {bad[:8]} freed with ref_cnt 0")
 
 
 def _complete(sh: _Shadow) -> bool:
@@ -491,7 +609,14 @@ def _update_wrapper(scheduler: Any) -> Any:
             outputs = method(scheduler, scheduler_output, model_runner_output)
         finally:
             c.busy_update = False
-        c.safe_after_update(scheduler_output, before, outputs)
+        try:
+            c.safe_after_update(scheduler_output, before, outputs)
+        finally:
+            if c.pending_counts:
+                try:
+                    c.attach_counts(outputs)
+                except Exception:  # noqa: BLE001 - never break serving
+                    pass
         return outputs
 
     return update_from_output
@@ -513,6 +638,22 @@ def _track_wrapper(scheduler: Any) -> Any:
     return _update_after_schedule
 
 
+def _free_wrapper(scheduler: Any, pool: Any) -> Any:
+    def free_blocks(ordered_blocks, *args, **kwargs):
+        blocks = list(ordered_blocks)
+        c = checker(scheduler)
+        try:
+            c.freeing(blocks)
+        except InvariantViolation:
+            raise
+        except Exception:  # noqa: BLE001 - never break serving
+            if c.mode == "raise":
+                raise
+        return type(pool).free_blocks(pool, blocks, *args, **kwargs)
+
+    return free_blocks
+
+
 def instrument(scheduler: Any) -> Checker:
     """Check one scheduler instance (instance attributes; idempotent).
     `invariants-check` calls it at the end of every `Scheduler.__init__`."""
@@ -521,6 +662,10 @@ def instrument(scheduler: Any) -> Checker:
     if not d.get(_WRAPPED):
         d["update_from_output"] = _update_wrapper(scheduler)
         d["_update_after_schedule"] = _track_wrapper(scheduler)
+        pool = getattr(getattr(scheduler, "kv_cache_manager", None),
+                       "block_pool", None)
+        if pool is not None and "free_blocks" not in pool.__dict__:
+            pool.__dict__["free_blocks"] = _free_wrapper(scheduler, pool)
         d[_WRAPPED] = True
     return c
 
