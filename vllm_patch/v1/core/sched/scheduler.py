@@ -49,6 +49,20 @@ would be applied twice, so the wrapper falls back to the validate-only path
 (`grammar_cut`: `validate_tokens` plus a terminal probe, never advancing):
 same guarantee, about twice the grammar work.
 
+Cost (issue 3): the replacement is not a wrapper around the stock method
+when the stock source is the audited one (`_audited`: sha256 of
+`inspect.getsource`, per series): it carries the stock body inline. One
+Python call layer per request is about 1 % of the stock per-request update
+(cProfile call counts: the old wrapper added `_update_request_with_output`,
+`advance_cut` and `make_spec_decoding_stats` frames to every request, the
+unstructured ones included), the whole 1.01x budget for unstructured
+batches. Inline, an unstructured request runs exactly the stock body (0.32:
+plus the stop-trim rollback, inside the stop branch) in one frame, and a
+structured request runs cut, stock body and finish in that frame (the
+xgrammar accept loop inline too). `make_spec_decoding_stats` likewise. Any
+other source gets the wrapping implementation (`_wrap_update`,
+`_make_spec_stats`): same guarantee, one call layer more.
+
 Not done: skipping the walk when a step returns exactly the drafts the
 bitmask walk validated at schedule time. The grammar must be advanced by
 those tokens anyway (stock does it), and the walk that advances it is the
@@ -80,8 +94,10 @@ Spec-decode stats: `make_spec_decoding_stats` caps accepted at the real
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from vllm_patch import envs
 from vllm_patch.patching import NAME_ATTR, Patch
@@ -297,82 +313,298 @@ def _finish(scheduler: Any, request: Any, kept: list[int], reason: str,
         )
 
 
-def _make_update(series: str):
-    v032 = series == "0.32"
-
-    def make(original):
-        def _update_request_with_output(self, request, new_token_ids,
-                                        is_stale=False):
-            so_req = request.structured_output_request
-            if so_req is None:  # unstructured
-                if not v032:
-                    return original(self, request, new_token_ids, is_stale)
-                returned = len(new_token_ids)
-                kept, stopped = original(self, request, new_token_ids,
-                                         is_stale)
-                if stopped and len(kept) < returned and \
-                        not (is_stale or self.__dict__.get(STALE_ATTR, False)):
-                    # As 0.33 does: num_computed_tokens covers all kept
-                    # tokens but the last; trimmed placeholders resolve.
-                    trimmed = returned - len(kept)
-                    request.num_computed_tokens -= trimmed
-                    if request.num_output_placeholders > 0:
-                        request.num_output_placeholders -= trimmed
-                return kept, stopped
-            manager = self.structured_output_manager
-            grammar = so_req.grammar
-            n = len(new_token_ids)
-            if getattr(type(manager).accept_tokens, NAME_ATTR, None) \
-                    == ACCEPT_PATCH:
-                cut, reason, rejected, gs, advanced = advance_cut(
-                    manager, request, grammar, new_token_ids)
-            else:  # validate-only fallback: stock accepts afterwards
-                cut, reason, rejected = grammar_cut(manager, request,
-                                                    new_token_ids)
-                gs, advanced = cut, 0
-            if reason == TERMINATED and \
-                    not envs.settings().stop_on_grammar_termination:
-                # Stock termination: undo the advance, stock accepts all.
-                if advanced:
-                    grammar.rollback(advanced)
-                    advanced = 0
-                cut, reason = n, None
-            if cut < n:
-                if not (is_stale or self.__dict__.get(STALE_ATTR, False)):
-                    dropped = n - cut
-                    request.num_computed_tokens -= dropped
-                    if request.num_output_placeholders > 0:
-                        request.num_output_placeholders -= dropped
-                del new_token_ids[cut:]
-            kept, stopped = original(self, request, new_token_ids, is_stale)
-            if v032 and stopped and len(kept) < cut and \
+def _wrap_update(original: Callable, v032: bool) -> Callable:
+    """Fallback: wrap a stock body this module has not audited (a call
+    layer per request, the stock method runs unchanged inside)."""
+    def _update_request_with_output(self, request, new_token_ids,
+                                    is_stale=False):
+        so_req = request.structured_output_request
+        if so_req is None:  # unstructured
+            if not v032:
+                return original(self, request, new_token_ids, is_stale)
+            returned = len(new_token_ids)
+            kept, stopped = original(self, request, new_token_ids,
+                                     is_stale)
+            if stopped and len(kept) < returned and \
                     not (is_stale or self.__dict__.get(STALE_ATTR, False)):
-                # 0.32, as 0.33 does: a stop trim rolls back
-                # num_computed_tokens; placeholders of trimmed tokens resolve.
-                trimmed = cut - len(kept)
+                # As 0.33 does: num_computed_tokens covers all kept
+                # tokens but the last; trimmed placeholders resolve.
+                trimmed = returned - len(kept)
                 request.num_computed_tokens -= trimmed
                 if request.num_output_placeholders > 0:
                     request.num_output_placeholders -= trimmed
-            if advanced:
-                kept_len = len(kept)
-                if kept_len < cut:
-                    # Stock stopped earlier (max_tokens, stop token, ...):
-                    # the grammar keeps only the kept grammar tokens.
-                    keep = max(kept_len - gs, 0)
-                    grammar.rollback(advanced - keep)
-                    advanced = keep
-                if advanced:
-                    if len(ACCEPTED) > 4096:  # never consumed: cannot happen
-                        ACCEPTED.clear()
-                    ACCEPTED[id(kept)] = kept
-            if reason is not None and not stopped:
-                _finish(self, request, kept, reason, rejected)
-                stopped = True
             return kept, stopped
+        manager = self.structured_output_manager
+        grammar = so_req.grammar
+        n = len(new_token_ids)
+        if getattr(type(manager).accept_tokens, NAME_ATTR, None) \
+                == ACCEPT_PATCH:
+            cut, reason, rejected, gs, advanced = advance_cut(
+                manager, request, grammar, new_token_ids)
+        else:  # validate-only fallback: stock accepts afterwards
+            cut, reason, rejected = grammar_cut(manager, request,
+                                                new_token_ids)
+            gs, advanced = cut, 0
+        if reason == TERMINATED and \
+                not envs.settings().stop_on_grammar_termination:
+            # Stock termination: undo the advance, stock accepts all.
+            if advanced:
+                grammar.rollback(advanced)
+                advanced = 0
+            cut, reason = n, None
+        if cut < n:
+            if not (is_stale or self.__dict__.get(STALE_ATTR, False)):
+                dropped = n - cut
+                request.num_computed_tokens -= dropped
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= dropped
+            del new_token_ids[cut:]
+        kept, stopped = original(self, request, new_token_ids, is_stale)
+        if v032 and stopped and len(kept) < cut and \
+                not (is_stale or self.__dict__.get(STALE_ATTR, False)):
+            # 0.32, as 0.33 does: a stop trim rolls back
+            # num_computed_tokens; placeholders of trimmed tokens resolve.
+            trimmed = cut - len(kept)
+            request.num_computed_tokens -= trimmed
+            if request.num_output_placeholders > 0:
+                request.num_output_placeholders -= trimmed
+        if advanced:
+            kept_len = len(kept)
+            if kept_len < cut:
+                # Stock stopped earlier (max_tokens, stop token, ...):
+                # the grammar keeps only the kept grammar tokens.
+                keep = max(kept_len - gs, 0)
+                grammar.rollback(advanced - keep)
+                advanced = keep
+            if advanced:
+                if len(ACCEPTED) > 4096:  # never consumed: cannot happen
+                    ACCEPTED.clear()
+                ACCEPTED[id(kept)] = kept
+        if reason is not None and not stopped:
+            _finish(self, request, kept, reason, rejected)
+            stopped = True
+        return kept, stopped
 
-        return _update_request_with_output
+    return _update_request_with_output
+
+
+# sha256[:16] of `inspect.getsource` of the stock bodies the inline
+# replacements below copy (audited against vLLM 0.32.0 / 0.33.0). Any other
+# source (a patch release that edits them, no source available) gets the
+# wrapping fallback instead: same guarantee, one call layer more per request.
+_AUDITED_UPDATE = {"0.32": "ff6e3f664c996a8f", "0.33": "093836bff0607708"}
+_AUDITED_SPEC_STATS = "7065c195b8fdde52"
+# Tests / benchmarks can set this to False to exercise the wrapping fallback.
+INLINE_AUDITED = True
+_AUDIT_CACHE: dict[tuple[Any, str], bool] = {}
+
+
+def _audited(fn: Callable, digest: str) -> bool:
+    """Is `fn` exactly the stock source an inline replacement copies?"""
+    key = (getattr(fn, "__code__", None), digest)
+    ok = _AUDIT_CACHE.get(key)
+    if ok is None:
+        try:
+            src = inspect.getsource(fn)
+            ok = hashlib.sha256(src.encode()).hexdigest()[:16] == digest
+        except (OSError, TypeError):
+            ok = False
+        _AUDIT_CACHE[key] = ok
+    return ok
+
+
+# The last StructuredOutputManager.accept_tokens seen to be g2-accept-once
+# (saves a getattr per request; re-checked whenever the method changes).
+_ACCEPT_SEEN: list[Any] = [None]
+
+
+def _inline_update(original: Callable, v032: bool) -> Callable:
+    """Replacement that carries the audited stock body inline.
+
+    Why not a wrapper: one Python call layer per request is about 1 % of
+    the stock per-request update, the whole budget for unstructured batches
+    (issue 3). So an unstructured request runs the stock body verbatim, with
+    no extra frame (0.32: plus 0.33's stop-trim rollback, inside the stop
+    branch only); a structured request runs the G2 cut (the xgrammar accept
+    loop inline), the stock body on the kept tokens and the finish, in this
+    one frame. Semantics are those of `_wrap_update`, which stays the
+    fallback. `check_stop` is the stock module's, bound when applied."""
+    check_stop = original.__globals__["check_stop"]
+    fallback = _wrap_update(original, v032)
+
+    def _update_request_with_output(self, request, new_token_ids,
+                                    is_stale=False):
+        so_req = request.structured_output_request
+        if so_req is None:
+            if v032:
+                # Stock 0.32 body; in the stop branch, 0.33's rollback.
+                stopped = False
+                for num_new, output_token_id in enumerate(new_token_ids, 1):
+                    request.append_output_token_ids(output_token_id)
+                    stopped = check_stop(request, self.max_model_len)
+                    if stopped:
+                        trimmed = len(new_token_ids) - num_new
+                        if trimmed and not (
+                                is_stale
+                                or self.__dict__.get(STALE_ATTR, False)):
+                            request.num_computed_tokens -= trimmed
+                            if request.num_output_placeholders > 0:
+                                request.num_output_placeholders -= trimmed
+                        del new_token_ids[num_new:]
+                        break
+                return new_token_ids, stopped
+            # Stock 0.33 body, verbatim.
+            num_new_tokens = len(new_token_ids)
+            stopped = False
+            for num_new, output_token_id in enumerate(new_token_ids, 1):
+                request.append_output_token_ids(output_token_id)
+                stopped = check_stop(request, self.max_model_len)
+                if stopped:
+                    if not is_stale:
+                        request.num_computed_tokens -= \
+                            len(new_token_ids) - num_new
+                    del new_token_ids[num_new:]
+                    break
+            if not is_stale and request.num_output_placeholders > 0:
+                request.num_output_placeholders -= num_new_tokens
+                assert request.num_output_placeholders >= 0
+            return new_token_ids, stopped
+
+        # ------------------------------------------------- structured
+        manager = self.structured_output_manager
+        accept_fn = type(manager).accept_tokens
+        if accept_fn is not _ACCEPT_SEEN[0]:
+            if getattr(accept_fn, NAME_ATTR, None) != ACCEPT_PATCH:
+                # Validate-only path (stock accepts afterwards).
+                return fallback(self, request, new_token_ids, is_stale)
+            _ACCEPT_SEEN[0] = accept_fn
+        grammar = so_req.grammar
+        n = len(new_token_ids)
+        rejected = None
+        if grammar is not None and so_req.reasoning_ended and \
+                (_XGRAMMAR_FAST.get(type(grammar))
+                 or _xgrammar_fast(type(grammar))) and \
+                not grammar._is_terminated:  # noqa: SLF001
+            # advance_cut's xgrammar loop (stock's accept loop, stopping at
+            # the terminal / before a rejected token), without its frame.
+            accept = grammar.matcher.accept_token
+            terminated = grammar.matcher.is_terminated
+            reason = None
+            m = 0
+            for token in new_token_ids:
+                if not accept(token):
+                    reason, rejected = REJECTED, token
+                    break
+                m += 1
+                if terminated():
+                    reason = TERMINATED
+                    grammar._is_terminated = True  # noqa: SLF001 - as stock
+                    break
+            grammar.num_processed_tokens += m
+            gs, advanced = 0, m
+            cut = m if reason is not None else n
+        else:
+            cut, reason, rejected, gs, advanced = advance_cut(
+                manager, request, grammar, new_token_ids)
+        if reason == TERMINATED and \
+                not envs.settings().stop_on_grammar_termination:
+            # Stock termination: undo the advance, stock accepts all.
+            if advanced:
+                grammar.rollback(advanced)
+                advanced = 0
+            cut, reason = n, None
+        if cut < n:
+            if not (is_stale or self.__dict__.get(STALE_ATTR, False)):
+                dropped = n - cut
+                request.num_computed_tokens -= dropped
+                if request.num_output_placeholders > 0:
+                    request.num_output_placeholders -= dropped
+            del new_token_ids[cut:]
+        # The stock body on the kept tokens (0.32: plus the stop-trim
+        # rollback, as 0.33 does).
+        num_new_tokens = len(new_token_ids)
+        stopped = False
+        for num_new, output_token_id in enumerate(new_token_ids, 1):
+            request.append_output_token_ids(output_token_id)
+            stopped = check_stop(request, self.max_model_len)
+            if stopped:
+                trimmed = num_new_tokens - num_new
+                if v032:
+                    if trimmed and not (
+                            is_stale or self.__dict__.get(STALE_ATTR, False)):
+                        request.num_computed_tokens -= trimmed
+                        if request.num_output_placeholders > 0:
+                            request.num_output_placeholders -= trimmed
+                elif not is_stale:
+                    request.num_computed_tokens -= trimmed
+                del new_token_ids[num_new:]
+                break
+        if not v032 and not is_stale and request.num_output_placeholders > 0:
+            request.num_output_placeholders -= num_new_tokens
+            assert request.num_output_placeholders >= 0
+        kept = new_token_ids
+        if advanced:
+            kept_len = len(kept)
+            if kept_len < cut:
+                # Stock stopped earlier (max_tokens, stop token, ...): the
+                # grammar keeps only the kept grammar tokens.
+                keep = max(kept_len - gs, 0)
+                grammar.rollback(advanced - keep)
+                advanced = keep
+            if advanced:
+                if len(ACCEPTED) > 4096:  # never consumed: cannot happen
+                    ACCEPTED.clear()
+                ACCEPTED[id(kept)] = kept
+        if reason is not None and not stopped:
+            _finish(self, request, kept, reason, rejected)
+            stopped = True
+        return kept, stopped
+
+    return _update_request_with_output
+
+
+def _make_update(series: str) -> Callable[[Callable], Callable]:
+    v032 = series == "0.32"
+
+    def make(original: Callable) -> Callable:
+        if INLINE_AUDITED and _audited(original, _AUDITED_UPDATE[series]):
+            return _inline_update(original, v032)
+        return _wrap_update(original, v032)
 
     return make
+
+
+def _inline_spec_stats(original: Callable) -> Callable:
+    """The audited stock body with the cap inline (no call layer per
+    request with drafts: about 1 % of an unstructured request's update)."""
+    spec_stats_cls = original.__globals__["SpecDecodingStats"]
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens,
+                                 num_accepted_tokens, num_invalid_spec_tokens,
+                                 request_id):
+        if not self.log_stats or not num_draft_tokens:
+            return None
+        if spec_decoding_stats is None:
+            spec_decoding_stats = spec_stats_cls.new(self.num_spec_tokens)
+        if num_invalid_spec_tokens:
+            invalid = num_invalid_spec_tokens.get(request_id)
+            if invalid is not None:
+                num_draft_tokens -= invalid
+                # G2: never more accepted than real (valid) drafts.
+                if num_accepted_tokens > num_draft_tokens:
+                    num_accepted_tokens = max(num_draft_tokens, 0)
+        spec_decoding_stats.observe_draft(
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens)
+        return spec_decoding_stats
+
+    return make_spec_decoding_stats
+
+
+def _make_spec_stats_patch(original: Callable) -> Callable:
+    if INLINE_AUDITED and _audited(original, _AUDITED_SPEC_STATS):
+        return _inline_spec_stats(original)
+    return _make_spec_stats(original)
 
 
 def _make_spec_stats(original):
@@ -443,7 +675,7 @@ PATCHES: list[Patch] = [
         signature=("self", "spec_decoding_stats", "num_draft_tokens",
                    "num_accepted_tokens", "num_invalid_spec_tokens",
                    "request_id"),
-        make=_make_spec_stats,
+        make=_make_spec_stats_patch,
         why=("stock subtracts grammar-invalidated drafts from the proposed "
              "count but not from the accepted count: '2 drafts, 3 accepted'"),
         how="cap accepted at num_draft_tokens - num_invalid_spec_tokens",
