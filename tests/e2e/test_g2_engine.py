@@ -22,17 +22,14 @@ Each run prints one `G2-E2E` line per configuration with the counts.
 from __future__ import annotations
 
 import collections
-import json
-import re
 
 import pytest
 
+from vllm_patch.pd.workload import CHOICES, REGEX, valid
 from vllm_patch.testing import engine, tiny_model
 
 pytestmark = pytest.mark.e2e
 
-CHOICES = ["yes", "no", "maybe"]
-REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
 MAX_TOKENS = 80
 
 
@@ -58,20 +55,6 @@ def _unstructured_requests():
     return [(("plain", ie), p, SamplingParams(temperature=0, max_tokens=48,
                                               ignore_eos=ie, logprobs=1))
             for ie in (True, False) for p in engine.PROMPTS]
-
-
-def _valid(kind: str, text: str) -> bool:
-    import jsonschema
-
-    try:
-        if kind == "json":
-            jsonschema.validate(json.loads(text), engine.JSON_SCHEMA)
-            return True
-        if kind == "choice":
-            return text in CHOICES
-        return re.fullmatch(REGEX, text) is not None
-    except (ValueError, jsonschema.ValidationError):
-        return False
 
 
 def _generate(llm, reqs):
@@ -117,7 +100,7 @@ def test_g2_engine(backend, k, patched, inproc):
     for ((kind, ignore_eos), prompt, _), out in zip(structured, outs):
         c = out.outputs[0]
         finish[(ignore_eos, c.finish_reason)] += 1
-        bad = engine.tally_completion(counts, _valid(kind, c.text), c)
+        bad = engine.tally_completion(counts, valid(kind, c.text), c)
         if bad:
             problems[ignore_eos].append(f"{kind} {prompt!r}: {'; '.join(bad)}")
     print(f"\nG2-E2E {'patched' if patched else 'stock'} {backend} k={k}: "

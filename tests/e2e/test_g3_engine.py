@@ -36,15 +36,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import os
-import re
 
 import pytest
 
 import vllm_patch
 from vllm_patch import envs, patching
 from vllm_patch.patching import REGISTRY, State
+from vllm_patch.pd.workload import CHOICES, REGEX, valid
 from vllm_patch.testing import engine, tiny_model
 from vllm_patch.v1.worker.gpu_model_runner import draft_skip_stats
 
@@ -55,8 +54,6 @@ RAW_STATS = "g2-spec-stats-cap"
 G3_WORKER_PATCHES = ("g3-v1-runner-acceptable-drafts",
                      "g3-no-drafts-after-grammar-end",
                      "g3-no-drafts-handed-over-after-grammar-end")
-CHOICES = ["yes", "no", "maybe"]
-REGEX = r"[a-z]{2,6}-[0-9]{1,3}"
 MAX_TOKENS = 64
 
 
@@ -111,20 +108,6 @@ def _requests():
     return structured, plain
 
 
-def _valid(kind: str, text: str) -> bool:
-    import jsonschema
-
-    try:
-        if kind == "json":
-            jsonschema.validate(json.loads(text), engine.JSON_SCHEMA)
-            return True
-        if kind == "choice":
-            return text in CHOICES
-        return re.fullmatch(REGEX, text) is not None
-    except (ValueError, jsonschema.ValidationError):
-        return False
-
-
 def _spec_config(method: str, k: int) -> dict:
     draft = (tiny_model.build_target() if method == "draft_model"
              else tiny_model.build_eagle(trained=True))
@@ -170,7 +153,7 @@ def _check(structured, outs):
     problems: dict[bool, list[str]] = {True: [], False: []}
     for ((kind, ignore_eos), prompt, _), out in zip(structured, outs):
         c = out.outputs[0]
-        bad = engine.tally_completion(counts, _valid(kind, c.text), c)
+        bad = engine.tally_completion(counts, valid(kind, c.text), c)
         if bad:
             problems[ignore_eos].append(f"{kind} {prompt!r}: {'; '.join(bad)}")
     return counts, problems
