@@ -50,3 +50,17 @@ def check_scenario(patched):
         return violations
 
     return check
+
+
+@pytest.fixture
+def quiet_vllm_patch_log():
+    """Silence vllm_patch's logger: fuzz episodes make expected G2/stock error
+    lines by the thousand. Opt-in per module (tests asserting on log lines
+    must not get it)."""
+    import logging
+
+    lg = logging.getLogger("vllm_patch")
+    old = lg.level
+    lg.setLevel(logging.CRITICAL)
+    yield
+    lg.setLevel(old)

@@ -20,12 +20,11 @@ reproducibility.
 from __future__ import annotations
 
 import collections
-import logging
 import os
 
 import pytest
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.usefixtures("quiet_vllm_patch_log")]
 
 EXAMPLES = int(os.environ.get("VLLM_PATCH_FUZZ_EXAMPLES", "400"))
 
@@ -45,16 +44,6 @@ def _run(on_result, shrink: bool) -> None:
         on_result(spec, fuzz.run_episode(spec))
 
     run()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    # Expected G2/stock error lines would flood the log.
-    lg = logging.getLogger("vllm_patch")
-    old = lg.level
-    lg.setLevel(logging.CRITICAL)
-    yield
-    lg.setLevel(old)
 
 
 def _coverage(spec, seen: collections.Counter) -> None:

@@ -25,14 +25,13 @@ once, pool full at idle); stock's G2 violations are not asserted here.
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 
 from vllm_patch.testing import fuzz
 from vllm_patch.testing.fuzz import EpisodeSpec, RequestSpec
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.usefixtures("quiet_vllm_patch_log")]
 
 LIFECYCLE = {"exception", "not_drained", "finished_blocks", "idle_pool",
              "double_free"}
@@ -78,15 +77,6 @@ EPISODES = {
                         kv_fail_block=3, hold_grammar=0, grammar_error=True),
         ], p_bad=0.0, p_accept=0.3, p_follow=0.9, seed=705, kv="recompute"),
 }
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    lg = logging.getLogger("vllm_patch")
-    old = lg.level
-    lg.setLevel(logging.CRITICAL)
-    yield
-    lg.setLevel(old)
 
 
 @pytest.mark.parametrize("name", sorted(EPISODES))
