@@ -100,18 +100,24 @@ def test_grammar_ready_before_kv(patched):
     h.assert_idle_no_leak()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_abort_while_transfer_pending(patched, async_scheduling):
-    from vllm.v1.request import RequestStatus
-
-    h = PDDecodeSched(async_scheduling=async_scheduling)
-    rid = h.add_remote_request(hold_grammar=True)
+def _to_remote_wait(h, rid: str, patched: bool) -> None:
+    """First step(s) of a remote request whose grammar is held: patched
+    starts the KV load at once (gap F); stock needs the grammar first."""
     so = h.schedule()
     h.sched.update_from_output(so, h.model_output(so))
     if not patched:
         h.release_grammar(rid)
         so = h.schedule()
         h.sched.update_from_output(so, h.model_output(so))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_abort_while_transfer_pending(patched, async_scheduling):
+    from vllm.v1.request import RequestStatus
+
+    h = PDDecodeSched(async_scheduling=async_scheduling)
+    rid = h.add_remote_request(hold_grammar=True)
+    _to_remote_wait(h, rid, patched)
     assert _status(h.requests[rid]) == "WAITING_FOR_REMOTE_KVS"
     held = h.held_blocks()
     assert held > 0
@@ -129,12 +135,7 @@ def test_abort_while_transfer_pending(patched, async_scheduling):
 def test_failed_load(patched, policy, async_scheduling):
     h = PDDecodeSched(kv_load_failure_policy=policy, async_scheduling=async_scheduling)
     rid = h.add_remote_request(prompt_len=40, hold_grammar=True)
-    so = h.schedule()
-    h.sched.update_from_output(so, h.model_output(so))
-    if not patched:
-        h.release_grammar(rid)
-        so = h.schedule()
-        h.sched.update_from_output(so, h.model_output(so))
+    _to_remote_wait(h, rid, patched)
     blocks = h.req_blocks(rid)
     assert blocks
     h.kv_arrived(rid, invalid={blocks[1]})
