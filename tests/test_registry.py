@@ -281,6 +281,33 @@ def test_disable_applies_nothing(registry, monkeypatch):
     assert patching.guarantee_table()[0]["status"] == "not enforced"
 
 
+def test_disable_keeps_test_only_switches(registry, monkeypatch, warnings_seen):
+    """A stock-vs-patched comparison needs stock vLLM in the same set-up (e.g.
+    async scheduling forced on the CPU): under VLLM_PATCH_DISABLE=1 a
+    test-only switch obeys only its own variable; guarantee patches stay off."""
+    monkeypatch.setenv("VLLM_PATCH_DISABLE", "1")
+    registry.add(make_patch())
+    registry.add(make_patch(name="test-switch", guarantee="test-only",
+                            target="vllm.outputs:EmbeddingRequestOutput.__repr__",
+                            enabled=lambda s: s.test_force_async_scheduling))
+    vllm_patch.register()
+    assert outcome("test-switch").state is State.OFF
+    assert_pristine()
+    monkeypatch.setenv("VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", "1")
+    vllm_patch.register()
+    assert outcome("test-own").state is State.DISABLED
+    assert outcome("test-switch").state is State.APPLIED
+    assert "__repr__" in vars(INHERITS)
+    assert patching.guarantee_table()[0]["status"] == "not enforced"
+    msgs = [r.getMessage() for r in warnings_seen]
+    assert any("no patch applied" in m and "TEST ONLY switches still on" in m
+               and "test-switch" in m for m in msgs), msgs
+    monkeypatch.delenv("VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING")
+    vllm_patch.register()
+    assert outcome("test-switch").state is State.OFF
+    assert_pristine()
+
+
 def test_disable_wins_over_strict(registry, monkeypatch):
     monkeypatch.setenv("VLLM_PATCH_DISABLE", "1")
     monkeypatch.setenv("VLLM_PATCH_STRICT", "1")

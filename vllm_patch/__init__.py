@@ -96,14 +96,17 @@ def register() -> None:
     settings = envs.settings()
     load_patches()
     outcomes = patching.apply_all(settings)
+    applied = [o.patch.name for o in outcomes if o.state is patching.State.APPLIED]
     if settings.disable:
-        if not getattr(register, "_said_disabled", False):
+        # Only test-only switches can be applied here (patching.disabled).
+        if getattr(register, "_said_disabled", None) != applied:
             logger.warning(
                 "vllm_patch: VLLM_PATCH_DISABLE=1, no patch applied: "
-                "G1-G4 are NOT enforced (stock vLLM)"
+                "G1-G4 are NOT enforced (stock vLLM)%s",
+                "; TEST ONLY switches still on (each set by its own variable): "
+                + ", ".join(applied) if applied else "",
             )
-            register._said_disabled = True  # type: ignore[attr-defined]
+            register._said_disabled = applied  # type: ignore[attr-defined]
         return
-    applied = [o.patch.name for o in outcomes if o.state is patching.State.APPLIED]
     logger.info("vllm_patch %s on vLLM %s: applied %s", __version__,
                 patching.vllm_version(), ", ".join(applied) or "nothing")

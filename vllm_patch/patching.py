@@ -273,9 +273,17 @@ def _unenforced(outcome: Outcome, settings: envs.Settings) -> Outcome:
     return outcome
 
 
+def disabled(patch: Patch, settings: envs.Settings) -> bool:
+    """VLLM_PATCH_DISABLE=1 turns off every patch except the test-only
+    switches, which obey only their own opt-in variable: they put stock vLLM
+    into the configuration a stock-vs-patched comparison needs (e.g. async
+    scheduling on the CPU), so both runs measure the same set-up."""
+    return settings.disable and patch.guarantee != "test-only"
+
+
 def apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
     wanted = not (
-        settings.disable
+        disabled(patch, settings)
         or (patch.enabled is not None and not patch.enabled(settings))
         or patch.name in settings.skip
     )
@@ -288,7 +296,7 @@ def apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
             # Switched off since it was applied: stock again, as reported.
             revert_patch(patch.name)
 
-    if settings.disable:
+    if disabled(patch, settings):
         outcome = Outcome(patch, State.DISABLED)
     elif patch.enabled is not None and not patch.enabled(settings):
         outcome = Outcome(patch, State.OFF)

@@ -20,8 +20,8 @@ drafter is skipped in steps where every request's grammar ends
 with no misprediction (the unstructured requests in the batch keep it
 running while they run; their output identity with stock is checked by
 tests/e2e/test_g2_engine.py, which runs with these patches applied).
-Stock (VLLM_PATCH_DISABLE=1; only the test-only async switch applied, in
-this process, where the config is built): the failure is asserted
+Stock (VLLM_PATCH_DISABLE=1; only the test-only async switch applied): the
+failure is asserted
 (draft_model, async: more accepted than drafted tokens). One sync config
 shows the drafter skip without async scheduling.
 
@@ -35,13 +35,11 @@ active in the worker process: its patch outcomes are read there).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import os
 
 import pytest
 
 import vllm_patch
-from vllm_patch import envs, patching
 from vllm_patch.patching import REGISTRY, State
 from vllm_patch.pd.workload import CHOICES, REGEX, valid
 from vllm_patch.testing import engine, tiny_model
@@ -60,9 +58,9 @@ MAX_TOKENS = 64
 @pytest.fixture
 def forced_async(monkeypatch):
     """Async scheduling on the CPU engine, patched and stock alike: the
-    test-only switch is applied in this process (which builds the config and
-    so runs the CPU platform hook) even when VLLM_PATCH_DISABLE=1; the
-    engine-core and worker processes stay exactly as the mode says."""
+    test-only switch obeys only its own variable, also under
+    VLLM_PATCH_DISABLE=1 (patching.disabled), in this process (which builds
+    the config, so runs the CPU platform hook) and in the engine processes."""
     from vllm.plugins import load_general_plugins
 
     monkeypatch.setenv("VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", "1")
@@ -73,12 +71,10 @@ def forced_async(monkeypatch):
     monkeypatch.setenv("VLLM_PATCH_SKIP",
                        ",".join(filter(None, [skip_before, RAW_STATS])))
     # vLLM runs the plugin (register()) once per process, at the first
-    # engine: let it run now, or in the stock run it would revert the switch.
+    # engine: let it run now, then re-register with the variables above.
     load_general_plugins()
     vllm_patch.register()
-    settings = dataclasses.replace(envs.settings(), disable=False)
-    outcome = patching.apply_patch(REGISTRY.patches[FORCE_ASYNC], settings)
-    assert outcome.state is State.APPLIED, outcome
+    assert REGISTRY.outcomes[FORCE_ASYNC].state is State.APPLIED
     try:
         yield
     finally:
@@ -87,8 +83,8 @@ def forced_async(monkeypatch):
             monkeypatch.delenv("VLLM_PATCH_SKIP")
         else:
             monkeypatch.setenv("VLLM_PATCH_SKIP", skip_before)
-        patching.revert_patch(FORCE_ASYNC)
         vllm_patch.register()
+        assert REGISTRY.outcomes[FORCE_ASYNC].state is State.OFF
 
 
 def _requests():

@@ -119,8 +119,11 @@ def test_force_async_scheduling_in_engine_core(monkeypatch, patched):
             tokens = _greedy(llm, 32)
             workers = engine.worker_probe(llm)
             if not patched:
-                # Stock: the CPU platform silently turned it off.
-                assert not any(w["use_async_scheduling"] for w in workers)
+                # Stock + the test-only switch (it obeys only its own
+                # variable): async on, and no guarantee patch, not even the
+                # engine-core probe.
+                assert all(w["use_async_scheduling"] for w in workers)
+                assert all(w["disabled"] for w in workers)
                 with pytest.raises(engine.ProbeUnavailable):
                     engine.engine_core_probe(llm)
             else:
