@@ -55,6 +55,7 @@ if ! "$py" -c "import nixl._api" 2>/dev/null; then
   say "installing nixl 1.5.1 (NixlConnector on the CPU)"
   timeout 600 "$py" -m pip --disable-pip-version-check install -q --no-deps \
     nixl==1.5.1 nixl-cu12==1.5.1
+  "$py" -c "import nixl._api" || { say "nixl installed but not importable"; exit 1; }
 fi
 if ! "$py" -c "import importlib.metadata as m, sys; \
 eps=[e for e in m.entry_points(group='vllm.general_plugins') if e.name=='vllm_patch']; \

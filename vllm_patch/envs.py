@@ -34,7 +34,8 @@ def _names(name: str) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class Settings:
-    # Apply nothing: stock vLLM.
+    # Apply no guarantee patch: stock vLLM (test-only switches obey only
+    # their own variables, see patching.disabled).
     disable: bool
     # Comma-separated patch names not to apply.
     skip: frozenset[str]
@@ -50,10 +51,16 @@ class Settings:
     # TEST ONLY: keep async scheduling on the CPU platform, which silently
     # turns it off. Never set this in production.
     test_force_async_scheduling: bool
+    # TEST ONLY: NixlConnector's CPU transfer core taken from the instance's
+    # own CPUs (several instances on one host). Never set this in production.
+    test_nixl_core_in_affinity: bool
 
 
 ENV_VARS: dict[str, str] = {
-    "VLLM_PATCH_DISABLE": "1 applies no patch at all (stock vLLM)",
+    "VLLM_PATCH_DISABLE": (
+        "1 applies no guarantee patch (stock vLLM); a TEST ONLY switch set by "
+        "its own variable still applies"
+    ),
     "VLLM_PATCH_SKIP": "comma-separated patch names not to apply",
     "VLLM_PATCH_STRICT": "1 makes an unverifiable patch an error at startup",
     "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION": (
@@ -65,6 +72,9 @@ ENV_VARS: dict[str, str] = {
     ),
     "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING": (
         "TEST ONLY: keep async scheduling on the CPU platform"
+    ),
+    "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY": (
+        "TEST ONLY: NixlConnector's CPU transfer core from the instance's own CPUs"
     ),
 }
 
@@ -81,5 +91,8 @@ def settings() -> Settings:
         invariants_raise=_flag("VLLM_PATCH_INVARIANTS_RAISE", False),
         test_force_async_scheduling=_flag(
             "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", False
+        ),
+        test_nixl_core_in_affinity=_flag(
+            "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY", False
         ),
     )

@@ -63,7 +63,9 @@ KNOWN_LIMITS: dict[str, tuple[str, ...]] = {
         "the KV load overlaps grammar compilation only for connectors that "
         "pull asynchronously (do_remote_prefill, e.g. NixlConnector); "
         "ExampleConnector loads synchronously and keeps the stock order",
-        "a prefill instance dying mid-request is not tested yet",
+        "a grammar that fails to compile on the decode side after the "
+        "transfer was requested is tested at the scheduler tier only (the "
+        "API server rejects such grammars before they reach the engine)",
     ),
 }
 

@@ -71,6 +71,10 @@ def test_pd_structured(pd, patched):
     assert problems[True] == []
     # structured steps carried drafts (json_loose requests)
     assert d.get("vllm:spec_decode_num_draft_tokens_total", 0) > 0
+    # G2: never more accepted than real drafts (stock, async: 1264 accepted
+    # for 4 / 196 draft tokens, ExampleConnector / NIXL)
+    assert (d.get("vllm:spec_decode_num_accepted_tokens_total", 0)
+            <= d["vllm:spec_decode_num_draft_tokens_total"]), d
 
 
 @pytest.mark.timeout(120)

@@ -20,10 +20,13 @@ from test_pd_example import (  # noqa: F401  (collected here with this module's 
     test_pd_structured,
 )
 
-# Opt-in (`-m nixl`), not in CI: the stock run of the real NIXL pair stalls
-# intermittently (a decode request waited >120 s for a 68 ms transfer; two
-# stock tests failed in a CI pre-check), cause not found yet. The
-# ExampleConnector pair (test_pd_example.py) runs in CI, patched and stock.
+# In CI (patched and stock). It was opt-in until the cause of its "stall" was
+# found: NixlConnector's CPU worker pins its main thread to the host's last
+# core, so on the 2-core CI machine both instances' workers shared one core
+# and the prefill worker's busy-spinning message-queue reader starved the
+# decode worker (and the g++ of its one-time Inductor compile) for minutes.
+# PDConfig.nixl() turns on the test-only switch that keeps each instance's
+# transfer core within its own CPUs (vllm_patch.platforms.cpu).
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl]
 
 

@@ -233,7 +233,22 @@ class Deployment:
                 continue
             for inst, r in zip(insts, ranges):
                 binds[inst.name] = r
+            if (len(insts) > 1 and self.cfg.connector == "NixlConnector"
+                    and not any(self._env_flag(i, "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY")
+                                for i in insts)):
+                self._say(
+                    f"WARNING: {len(insts)} NixlConnector instances on {host}: vLLM's "
+                    "NIXL CPU worker moves each one's main thread to the host's last "
+                    "core whatever VLLM_CPU_OMP_THREADS_BIND says, so they share one "
+                    "core (issue 6; VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1 keeps "
+                    "each within its own cores, test-only)")
         return binds
+
+    def _env_flag(self, inst: Instance, name: str) -> bool:
+        from vllm_patch import envs
+
+        rc = self.cfg.role(inst.role)
+        return {**self.cfg.env, **rc.env}.get(name, "0").strip().lower() in envs._TRUE
 
     def _kv_config(self, inst: Instance) -> dict[str, Any]:
         cfg = self.cfg

@@ -123,13 +123,15 @@ def valid(kind: str, text: str) -> bool:
         return False
 
 
-def wait_idle(pd, timeout_s: float = 30.0) -> dict:
-    """Both instances: no KV block in use, nothing running or waiting."""
+def wait_idle(pd, timeout_s: float = 30.0,
+              roles: tuple[str, ...] = ("prefill", "decode")) -> dict:
+    """Each of `roles`: no KV block in use, nothing running or waiting. The
+    gauges are refreshed once per logging interval, hence the polling."""
     deadline = time.monotonic() + timeout_s
     while True:
         state = {role: {k: pd.metrics(role).get(k) for k in (
             "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
-            "vllm:num_requests_waiting")} for role in ("prefill", "decode")}
+            "vllm:num_requests_waiting")} for role in roles}
         if all(v == 0 for s in state.values() for v in s.values()) \
                 or time.monotonic() > deadline:
             return state

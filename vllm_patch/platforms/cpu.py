@@ -1,4 +1,8 @@
-"""TEST ONLY: keep async scheduling on the CPU platform.
+"""TEST ONLY switches for vllm.platforms.cpu (each opt-in by its own variable,
+also honoured under VLLM_PATCH_DISABLE=1 so stock and patched runs share the
+set-up; see patching.disabled).
+
+1. `cpu-force-async-scheduling`: keep async scheduling on the CPU platform.
 
 `CpuPlatform.check_and_update_config` (vllm/platforms/cpu.py, 0.32: line 331,
 0.33: line 348) sets `scheduler_config.async_scheduling = False`
@@ -7,11 +11,29 @@ scheduling (AsyncScheduler + batch queue of 2, the path G1/G2/G3 are about),
 so this switch restores whatever value the config held when the platform hook
 was called (the user's choice, or vLLM's resolved default). Opt-in through
 `VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING=1`; never set it in production.
+
+2. `cpu-nixl-kv-core-in-affinity`: NixlConnector's CPU worker reserves "the
+last core of each NUMA node" for the KV transfer and moves the worker's main
+thread there (`os.sched_setaffinity(0, ...)`, nixl/base_worker.py:701-714 in
+0.32; `CpuPlatform.discover_numa_topology` reads /sys and ignores the CPUs
+the instance was given). Every NIXL instance on one host therefore lands on
+the same core, whatever VLLM_CPU_OMP_THREADS_BIND says. Measured on the
+2-core CI machine (P/D pair, prefill bound to core 0, decode to core 1):
+both workers' main threads on core 1; the prefill worker's shm reader
+busy-spins (sched_yield, 1 s after each read) there while the decode worker
+runs, and the decode worker's one-time Inductor compile of
+`update_num_computed_tokens_for_batch_change` (first async spec-decode
+step; g++ inherits the pinned core) got ~3 % of a core: engine-core RPC
+waits of minutes, once the 300 s execute-model timeout (EngineDeadError).
+The switch keeps only the CPUs the calling thread may already run on, so each
+instance's transfer core is one of its own. Opt-in through
+`VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1`; nothing in G1-G4 depends on it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from vllm_patch.patching import Patch
@@ -37,6 +59,26 @@ def _make_check_and_update_config(original: Any) -> classmethod:
     return classmethod(check_and_update_config)
 
 
+def _make_discover_numa_topology(original: Any) -> classmethod:
+    func = original.__func__
+
+    def discover_numa_topology(cls):
+        nodes = func(cls)
+        allowed = os.sched_getaffinity(0)
+        kept = [[c for c in node if c in allowed] for node in nodes]
+        kept = [node for node in kept if node]
+        if not kept:  # none of the instance's CPUs is listed: keep vLLM's answer
+            return nodes
+        if kept != nodes:
+            logger.warning(
+                "vllm_patch: TEST ONLY (VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1): "
+                "NIXL transfer cores %s instead of %s (this instance's CPUs: %s)",
+                kept, nodes, sorted(allowed))
+        return kept
+
+    return classmethod(discover_numa_topology)
+
+
 PATCHES: list[Patch] = [
     Patch(
         name="cpu-force-async-scheduling",
@@ -52,5 +94,23 @@ PATCHES: list[Patch] = [
         upstream="none (vLLM: '# async scheduling is not required on CPU')",
         remove_when="never in production; test-only switch",
         enabled=lambda s: s.test_force_async_scheduling,
+    ),
+    Patch(
+        name="cpu-nixl-kv-core-in-affinity",
+        guarantee="test-only",
+        target="vllm.platforms.cpu:CpuPlatform.discover_numa_topology",
+        versions=("0.32", "0.33"),
+        signature=("cls",),
+        make=_make_discover_numa_topology,
+        why=("NixlConnector's CPU worker pins its main thread to the last core "
+             "of each NUMA node from /sys, so every NIXL instance on one host "
+             "shares one core (2-core CI: the prefill worker's busy-spin "
+             "starved the decode worker for minutes)"),
+        how=("wraps the classmethod: keeps only the cores the calling thread "
+             "may run on (its VLLM_CPU_OMP_THREADS_BIND), vLLM's answer when "
+             "none is left"),
+        upstream="none yet (vLLM nixl/base_worker.py 'reserve different cores')",
+        remove_when="vLLM picks the transfer core within the instance's CPUs",
+        enabled=lambda s: s.test_nixl_core_in_affinity,
     ),
 ]
