@@ -15,6 +15,10 @@ trials run first, then the patched ones; the ratio is of the medians.
 
     python benchmarks/bench_pd_ttft_e2e.py --trials 12 --fields 96,160
 
+Modes (`--modes`, one pair each, in order): stock (VLLM_PATCH_DISABLE=1),
+no-g4 (every patch but `g4-kv-load-during-compile`: isolates what the
+overlap itself is worth) and patched.
+
 Stock compiles the grammar, then asks the connector for the KV (compile +
 transfer + the steps in between); patched starts the pull while the grammar
 compiles (`g4-kv-load-during-compile`). With the tiny model the transfer is
@@ -68,15 +72,21 @@ def decode_ttft_ms(pd, b: dict) -> float:
     raise RuntimeError("decode stream ended without a token")
 
 
-def run_mode(stock: bool, fields: list[int], trials: int, salt0: int,
+MODES = {
+    "stock": {"VLLM_PATCH_DISABLE": "1"},
+    "patched": {},
+    # every patch but gap F's: what the overlap itself is worth
+    "no-g4": {"VLLM_PATCH_SKIP": "g4-kv-load-during-compile"},
+}
+
+
+def run_mode(label: str, fields: list[int], trials: int, salt0: int,
              max_tokens: int) -> dict[int, list[float]]:
     from vllm_patch.pd.launch import PDConfig, PDPair
 
     storage = tempfile.mkdtemp(prefix="bench-pd-ttft-")
     cfg = PDConfig.nixl(storage, spec_k=3)
-    if stock:
-        cfg.env["VLLM_PATCH_DISABLE"] = "1"
-    label = "stock" if stock else "patched"
+    cfg.env.update(MODES[label])
     print(f"[{label}] starting the NIXL pair ...", file=sys.stderr, flush=True)
     out: dict[int, list[float]] = {nf: [] for nf in fields}
     with PDPair(cfg) as pd:
@@ -99,23 +109,32 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=12)
     ap.add_argument("--fields", default="96,160")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--modes", default="stock,no-g4,patched",
+                    help=f"pairs to start, in order, from {', '.join(MODES)}")
     a = ap.parse_args()
-    if os.environ.get("VLLM_PATCH_DISABLE"):
-        sys.exit("run without VLLM_PATCH_DISABLE: the benchmark sets it per pair")
+    modes = a.modes.split(",")
+    if "stock" not in modes or any(m not in MODES for m in modes):
+        sys.exit(f"--modes: 'stock' and any of {', '.join(MODES)}")
+    for var in ("VLLM_PATCH_DISABLE", "VLLM_PATCH_SKIP"):
+        if os.environ.get(var):
+            sys.exit(f"run without {var}: the benchmark sets it per pair")
     fields = [int(x) for x in a.fields.split(",")]
     cms = {nf: statistics.median(compile_ms(nf, 10_000 + nf * 10 + i) for i in range(3))
            for nf in fields}
-    stock = run_mode(True, fields, a.trials, 1_000_000, a.max_tokens)
-    patched = run_mode(False, fields, a.trials, 2_000_000, a.max_tokens)
+    res = {m: run_mode(m, fields, a.trials, 1_000_000 * (k + 1), a.max_tokens)
+           for k, m in enumerate(modes)}
 
     from vllm_patch import patching
 
     print(f"vLLM {patching.vllm_version()}, real NIXL pair, {a.trials} trials per cell "
-          "(median), one request at a time")
-    print("fields  compile_ms  stock_ttft_ms  patched_ttft_ms  ratio")
+          "(median), one request at a time; ratio = mode / stock")
+    print("fields  compile_ms  " + "  ".join(f"{m + '_ms':>10}" for m in modes)
+          + "  " + "  ".join(f"{m + '/stock':>14}" for m in modes if m != "stock"))
     for nf in fields:
-        s, p = statistics.median(stock[nf]), statistics.median(patched[nf])
-        print(f"{nf:6d}  {cms[nf]:10.1f}  {s:13.1f}  {p:15.1f}  {p / s:5.2f}")
+        med = {m: statistics.median(res[m][nf]) for m in modes}
+        print(f"{nf:6d}  {cms[nf]:10.1f}  " + "  ".join(f"{med[m]:10.1f}" for m in modes)
+              + "  " + "  ".join(f"{med[m] / med['stock']:14.2f}" for m in modes
+                                 if m != "stock"))
 
 
 if __name__ == "__main__":
