@@ -49,20 +49,15 @@ def body(n_fields: int, salt: int, max_tokens: int) -> dict:
 
 
 def decode_ttft_ms(pd, b: dict) -> float:
-    import requests
+    from vllm_patch.pd import workload as wl
 
-    from vllm_patch.pd import proxy
-
-    pre = requests.post(pd.server("prefill").url + "/v1/completions",
-                        json=proxy.prefill_body(b, chat=False), timeout=120)
-    pre.raise_for_status()
-    params = pre.json().get("kv_transfer_params")
+    path = "/v1/completions"
+    params = wl.prefill_half(pd, path, b)
     if not params:
-        raise RuntimeError(f"prefill returned no kv_transfer_params: {pre.text[:200]}")
-    d = dict(proxy.decode_body(b, params), stream=True)
+        raise RuntimeError("prefill returned no kv_transfer_params")
     t0 = time.perf_counter()
-    with requests.post(pd.server("decode").url + "/v1/completions", json=d,
-                       stream=True, timeout=120) as resp:
+    with wl.decode_half(pd, path, dict(b, stream=True), params, timeout=120,
+                        stream=True) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
             if line.startswith(b"data: {"):

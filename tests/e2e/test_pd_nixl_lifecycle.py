@@ -37,7 +37,6 @@ import uuid
 import pytest
 import requests
 
-from vllm_patch.pd import proxy
 from vllm_patch.pd import workload as wl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl]
@@ -70,10 +69,7 @@ def prefill(pd, i: int) -> tuple[str, dict, dict]:
     """The router's first half by hand: (path, decode body, real params)."""
     path, body = wl.make_body(dict(i=i, kind="json2", ignore_eos=False,
                                    stream=False, chat=False))
-    pre = requests.post(pd.server("prefill").url + path,
-                        json=proxy.prefill_body(body, chat=False), timeout=120)
-    assert pre.status_code == 200, pre.text
-    params = pre.json()["kv_transfer_params"]
+    params = wl.prefill_half(pd, path, body)
     assert params and params.get("do_remote_prefill"), params
     return path, body, params
 
@@ -83,17 +79,11 @@ def unreachable(params: dict, port: int) -> dict:
                 remote_port=port)
 
 
-def decode(pd, path: str, body: dict, params: dict, **kw) -> requests.Response:
-    return requests.post(pd.server("decode").url + path,
-                         json=proxy.decode_body(body, params), timeout=kw.pop("timeout", 180),
-                         **kw)
-
-
 def finish_and_check_idle(pd, path: str, body: dict, real: dict) -> None:
     """Decode the prompt with the real params (the prefill side's blocks are
     read and released), then: both idle, no invariant violation, and the
     pair still serves a request end to end."""
-    dec = decode(pd, path, body, real)
+    dec = wl.decode_half(pd, path, body, real)
     assert dec.status_code == 200, dec.text
     assert wl.valid("json2", dec.json()["choices"][0]["text"]), dec.text
     via = wl.send(pd.url, dict(i=4999, kind="json", ignore_eos=False, stream=True,
@@ -111,7 +101,7 @@ def test_transfer_fails(pd, patched):
     path, body, real = prefill(pd, 4100)
     with silent_remote() as port:
         t0 = time.monotonic()
-        dec = decode(pd, path, body, unreachable(real, port))
+        dec = wl.decode_half(pd, path, body, unreachable(real, port))
         took = time.monotonic() - t0
     print(f"\nG4-PD-NIXL-FAILED-LOAD {policy} {'patched' if patched else 'stock'}: "
           f"decode {dec.status_code} after {took:.1f}s {dec.text[:160]!r}")
@@ -132,8 +122,8 @@ def test_abort_while_transfer_pending(pd, patched):
     path, body, real = prefill(pd, 4200)
     stream_body = dict(body, stream=True)
     with silent_remote() as port:
-        resp = decode(pd, path, stream_body, unreachable(real, port), stream=True,
-                      timeout=30)
+        resp = wl.decode_half(pd, path, stream_body, unreachable(real, port),
+                              stream=True, timeout=30)
         assert resp.status_code == 200, resp.text
         got: list[bytes] = []
 

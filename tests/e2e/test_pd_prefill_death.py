@@ -22,7 +22,6 @@ import signal
 import pytest
 import requests
 
-from vllm_patch.pd import proxy
 from vllm_patch.pd import workload as wl
 
 pytestmark = pytest.mark.e2e
@@ -49,10 +48,7 @@ def test_prefill_dies_after_prefill(pd, patched):
 
     # 1. the router's first half, by hand: prefill computes the KV and answers
     path, body = wl.make_body(dict(r, i=3001))
-    pre = requests.post(pd.server("prefill").url + path,
-                        json=proxy.prefill_body(body, chat=False), timeout=120)
-    assert pre.status_code == 200, pre.text
-    kv_params = pre.json().get("kv_transfer_params")
+    kv_params = wl.prefill_half(pd, path, body)
 
     # 2. the prefill instance dies before the decode side loads the KV
     pre_srv = pd.server("prefill")
@@ -60,8 +56,7 @@ def test_prefill_dies_after_prefill(pd, patched):
     pre_srv.proc.wait(30)
 
     # 3. the decode half: it must end (no hang), and hold no block afterwards
-    dec = requests.post(pd.server("decode").url + path,
-                        json=proxy.decode_body(body, kv_params), timeout=300)
+    dec = wl.decode_half(pd, path, body, kv_params, timeout=300)
     text = dec.json()["choices"][0]["text"] if dec.status_code == 200 else None
     print(f"\nG4-PD-PREFILL-DEATH {pd.cfg.connector} {'patched' if patched else 'stock'}: "
           f"decode {dec.status_code} {dec.text[:200]!r}")

@@ -109,6 +109,33 @@ def send(url: str, r: dict) -> dict:
     return dict(text=text, ids=ids, finish=finish)
 
 
+def prefill_half(pd: Any, path: str, body: dict) -> dict | None:
+    """The router's first half, sent by hand to the prefill instance: its
+    `kv_transfer_params` (None when it returned none). Raises on a non-200."""
+    import requests
+
+    from vllm_patch.pd import proxy
+
+    pre = requests.post(pd.server("prefill").url + path,
+                        json=proxy.prefill_body(body, chat=path.endswith("chat/completions")),
+                        timeout=120)
+    if pre.status_code != 200:
+        raise RuntimeError(f"prefill answered {pre.status_code}: {pre.text[:300]}")
+    return pre.json().get("kv_transfer_params")
+
+
+def decode_half(pd: Any, path: str, body: dict, params: dict | None,
+                timeout: float = 180, **kw: Any):
+    """The router's second half, by hand: the request plus `params` to the
+    decode instance (a requests.Response; `stream=True` passes through)."""
+    import requests
+
+    from vllm_patch.pd import proxy
+
+    return requests.post(pd.server("decode").url + path,
+                         json=proxy.decode_body(body, params), timeout=timeout, **kw)
+
+
 def valid(kind: str, text: str) -> bool:
     import jsonschema
 
