@@ -291,7 +291,7 @@ def test_disable_keeps_test_only_switches(registry, monkeypatch, warnings_seen):
                             target="vllm.outputs:EmbeddingRequestOutput.__repr__",
                             enabled=lambda s: s.test_force_async_scheduling))
     vllm_patch.register()
-    assert outcome("test-switch").state is State.OFF
+    assert outcome("test-switch").state is State.DISABLED
     assert_pristine()
     monkeypatch.setenv("VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", "1")
     vllm_patch.register()
@@ -304,7 +304,7 @@ def test_disable_keeps_test_only_switches(registry, monkeypatch, warnings_seen):
                and "test-switch" in m for m in msgs), msgs
     monkeypatch.delenv("VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING")
     vllm_patch.register()
-    assert outcome("test-switch").state is State.OFF
+    assert outcome("test-switch").state is State.DISABLED
     assert_pristine()
 
 

@@ -301,7 +301,8 @@ def apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
     if disabled(patch, settings):
         outcome = Outcome(patch, State.DISABLED)
     elif patch.enabled is not None and not patch.enabled(settings):
-        outcome = Outcome(patch, State.OFF)
+        # Under VLLM_PATCH_DISABLE=1 everything not applied reads "disabled".
+        outcome = Outcome(patch, State.DISABLED if settings.disable else State.OFF)
     elif patch.name in settings.skip:
         outcome = _unenforced(Outcome(patch, State.SKIPPED_BY_USER), settings)
     else:
