@@ -57,7 +57,7 @@ class Pass:
     """One batch decoded step by step at async batch queue 2."""
 
     def __init__(self, h: Any, batch: int) -> None:
-        from vllm_patch.v1.core.sched import inflight
+        from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
         self.h = h
         # Schedulers rotate over the modes: start without G1 state from an
@@ -125,7 +125,7 @@ def main() -> None:
 
     import vllm_patch
     from vllm_patch import envs, patching
-    from vllm_patch.v1.core.sched import inflight
+    from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
     g1_names = {p.name for p in inflight.PATCHES}
     settings = envs.settings()

@@ -1,7 +1,7 @@
 """Gap F benchmark: decode-side time to first token of a P/D request whose
 grammar compiles while its KV is pulled, patched vs stock.
 
-Scheduler tier (vllm_patch.pd.sched): the real vLLM Scheduler with the real
+Scheduler tier (vllm_patch.testing.pd_sched): the real vLLM Scheduler with the real
 NixlConnector (scheduler role), a real xgrammar compile in vLLM's compile
 pool for a JSON schema that takes >= 20 ms on the tiny tokenizer (unique per
 trial, so xgrammar's cache never answers), and a KV transfer simulated as a
@@ -62,7 +62,7 @@ def compile_ms(n_fields: int, salt: int) -> float:
 
 
 def one_trial(n_fields: int, salt: int, transfer_ms: float, step_ms: float) -> float:
-    from vllm_patch.pd.sched import PDDecodeSched
+    from vllm_patch.testing.pd_sched import PDDecodeSched
 
     h = PDDecodeSched()
     t0 = time.perf_counter()

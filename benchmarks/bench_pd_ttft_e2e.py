@@ -49,7 +49,7 @@ def body(n_fields: int, salt: int, max_tokens: int) -> dict:
 
 
 def decode_ttft_ms(pd, b: dict) -> float:
-    from vllm_patch.pd import workload as wl
+    from vllm_patch.testing import workload as wl
 
     path = "/v1/completions"
     params = wl.prefill_half(pd, path, b)
@@ -77,7 +77,7 @@ MODES = {
 
 def run_mode(label: str, fields: list[int], trials: int, salt0: int,
              max_tokens: int) -> dict[int, list[float]]:
-    from vllm_patch.pd.launch import PDConfig, PDPair
+    from vllm_patch.testing.pd_pair import PDConfig, PDPair
 
     storage = tempfile.mkdtemp(prefix="bench-pd-ttft-")
     cfg = PDConfig.nixl(storage, spec_k=3)

@@ -1,9 +1,9 @@
 """Soak a real P/D pair with the structured workload, batch after batch, and
 catch stalls: how the NIXL "stall" of issue 6 was found.
 
-One pair (vllm_patch.pd.launch.PDPair, tiny model, `draft_model` k=3, async
+One pair (vllm_patch.testing.pd_pair.PDPair, tiny model, `draft_model` k=3, async
 scheduling by the test switch) serves the 64-request batch of
-vllm_patch.pd.workload `--rounds` times (fresh prompts each round). A
+vllm_patch.testing.workload `--rounds` times (fresh prompts each round). A
 watchdog notes when no request has finished for `--stall-s` seconds and
 then, once per round, writes `py-spy dump` of every process of both
 servers' process groups to `--out` (py-spy optional: `pip install py-spy`).
@@ -67,8 +67,8 @@ def main() -> None:
         if os.environ.get(var):
             sys.exit(f"run without {var}: use --mode")
 
-    from vllm_patch.pd import workload as wl
-    from vllm_patch.pd.launch import PDConfig, PDPair
+    from vllm_patch.testing import workload as wl
+    from vllm_patch.testing.pd_pair import PDConfig, PDPair
 
     out = a.out or tempfile.mkdtemp(prefix="pd-soak-")
     os.makedirs(out, exist_ok=True)

@@ -18,16 +18,18 @@ __version__ = "0.1.0"
 PATCH_MODULES: tuple[str, ...] = (
     "vllm_patch.platforms.cpu",
     "vllm_patch.v1.engine.core",
-    "vllm_patch.v1.core.sched.scheduler",
+    "vllm_patch.v1.core.sched.scheduler.g1_inflight",
+    "vllm_patch.v1.core.sched.scheduler.g2_commit_cut",
+    "vllm_patch.v1.core.sched.scheduler.g4_kv_overlap",
+    "vllm_patch.v1.core.sched.scheduler.invariants",
     "vllm_patch.v1.core.sched.async_scheduler",
-    "vllm_patch.v1.core.sched.inflight",
-    "vllm_patch.v1.core.sched.kv_overlap",
-    "vllm_patch.v1.metrics.stats",
+    "vllm_patch.v1.metrics.stats.g2_spec_metrics_cap",
+    "vllm_patch.v1.metrics.stats.invariants_field",
     "vllm_patch.v1.metrics.loggers",
-    "vllm_patch.v1.structured_output",
-    "vllm_patch.v1.structured_output.manager_accept",
+    "vllm_patch.v1.structured_output.g2_accept_once",
+    "vllm_patch.v1.structured_output.g3_rows",
     "vllm_patch.v1.worker.gpu_model_runner",
-    "vllm_patch.v1.core.sched.invariants",
+    "vllm_patch.distributed.kv_transfer.kv_connector.v1.base",
 )
 
 logger = logging.getLogger("vllm_patch")

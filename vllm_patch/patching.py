@@ -105,6 +105,36 @@ UNENFORCED_STATES = (
 )
 
 
+def source_digest(obj: Any) -> str | None:
+    """sha256[:16] of `inspect.getsource(obj)` (the function inside a
+    classmethod / staticmethod), or None when no source is available."""
+    import hashlib
+
+    func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    try:
+        return hashlib.sha256(inspect.getsource(func).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Pin:
+    """vLLM source a patch relies on without replacing it: a function whose
+    logic the patch mirrors, or whose unwritten behaviour it depends on.
+    Pinned to the audited source per series (sha256[:16] of
+    `inspect.getsource`); a series absent from `digests` has nothing pinned.
+    On a mismatch the patch is not applied (its guarantee is not enforced)
+    unless `fallback` is set: then the patch applies and runs its fallback
+    implementation, and status says so."""
+
+    # "module.path:Owner.attr" in vLLM.
+    target: str
+    digests: dict[str, str]
+    # What the patch relies on in that source.
+    relies_on: str
+    fallback: bool = False
+
+
 @dataclass(frozen=True)
 class Patch:
     name: str

@@ -25,7 +25,7 @@ import collections
 
 import pytest
 
-from vllm_patch.pd.workload import CHOICES, REGEX, valid
+from vllm_patch.testing.workload import CHOICES, REGEX, valid
 from vllm_patch.testing import engine, tiny_model
 
 pytestmark = pytest.mark.e2e

@@ -3,7 +3,7 @@ ExampleConnector (prefill `kv_producer`, decode `kv_consumer`, shared storage
 in a tmp dir, block_size 32), the tiny local model with itself as
 `draft_model` (k=3) on both, xgrammar (disable_any_whitespace), async
 scheduling restored (test switch; VLLM_PATCH_PD_ASYNC=0 for sync), behind
-vllm_patch.pd.proxy. Workload: vllm_patch.pd.workload (64 structured
+vllm_patch.launch.router. Workload: vllm_patch.testing.workload (64 structured
 requests: JSON schemas / loose JSON / choice / regex; completions and
 chat; ignore_eos true/false; streaming and not; each prompt unique, so every
 request's prompt KV really travels P -> D).
@@ -29,7 +29,7 @@ import re
 
 import pytest
 
-from vllm_patch.pd import workload as wl
+from vllm_patch.testing import workload as wl
 
 pytestmark = pytest.mark.e2e
 
@@ -43,7 +43,7 @@ def _untimed(msg: str) -> str:
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
-    from vllm_patch.pd.launch import PDConfig, PDPair
+    from vllm_patch.testing.pd_pair import PDConfig, PDPair
 
     storage = tmp_path_factory.mktemp("pd-example")
     with PDPair(PDConfig(storage=str(storage), connector=CONNECTOR, spec_k=3,

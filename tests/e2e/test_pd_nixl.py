@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.nixl]
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     pytest.importorskip("nixl._api", reason="nixl not installed")
-    from vllm_patch.pd.launch import PDConfig, PDPair
+    from vllm_patch.testing.pd_pair import PDConfig, PDPair
 
     storage = tmp_path_factory.mktemp("pd-nixl")
     with PDPair(PDConfig.nixl(str(storage), spec_k=3, force_async=ASYNC)) as pair:

@@ -37,7 +37,7 @@ import uuid
 import pytest
 import requests
 
-from vllm_patch.pd import workload as wl
+from vllm_patch.testing import workload as wl
 
 pytestmark = [pytest.mark.e2e, pytest.mark.nixl]
 
@@ -47,7 +47,7 @@ HANDSHAKE_TIMEOUT_S = 5.0  # NIXL worker: zmq RCVTIMEO of the metadata query
 @pytest.fixture(scope="module", params=["fail", "recompute"])
 def pd(request, tmp_path_factory):
     pytest.importorskip("nixl._api", reason="nixl not installed")
-    from vllm_patch.pd.launch import PDConfig, PDPair
+    from vllm_patch.testing.pd_pair import PDConfig, PDPair
 
     storage = tmp_path_factory.mktemp(f"pd-nixl-{request.param}")
     cfg = PDConfig.nixl(str(storage), spec_k=3, kv_load_failure_policy=request.param)

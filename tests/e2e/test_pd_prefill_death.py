@@ -22,7 +22,7 @@ import signal
 import pytest
 import requests
 
-from vllm_patch.pd import workload as wl
+from vllm_patch.testing import workload as wl
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(params=["ExampleConnector",
                         pytest.param("NixlConnector", marks=pytest.mark.nixl)])
 def pd(request, tmp_path):
-    from vllm_patch.pd.launch import PDConfig, PDPair
+    from vllm_patch.testing.pd_pair import PDConfig, PDPair
 
     if request.param == "NixlConnector":
         pytest.importorskip("nixl._api", reason="nixl not installed")

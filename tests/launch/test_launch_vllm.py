@@ -25,14 +25,14 @@ import pytest
 import vllm_patch
 from vllm_patch.launch.config import LaunchConfig
 from vllm_patch.launch.deployment import Deployment
-from vllm_patch.pd import workload as wl
+from vllm_patch.testing import workload as wl
 
 from .test_launch_lifecycle import gone, server_pids
 
 
 @pytest.fixture
 def tiny_cfg(tmp_path, patched) -> LaunchConfig:
-    from vllm_patch.pd.launch import tiny_vllm_args
+    from vllm_patch.testing.pd_pair import tiny_vllm_args
     from vllm_patch.testing import tiny_model
 
     model = str(tiny_model.build_target())

@@ -1,6 +1,6 @@
 """G4 scenarios: a P/D decode instance's scheduler (real Scheduler /
 AsyncScheduler, real NixlConnector scheduler role, real xgrammar grammars,
-hand-made connector outputs; `vllm_patch.pd.sched`).
+hand-made connector outputs; `vllm_patch.testing.pd_sched`).
 
 - kv-overlap (stock fails, gap F): the remote KV load is requested while the
   grammar compiles, and the request is not scheduled before both are done.
@@ -27,7 +27,7 @@ def _idle_violations(h: Any) -> list[str]:
 
 def _overlap(async_: bool) -> Callable[[], list[str]]:
     def run() -> list[str]:
-        from vllm_patch.pd.sched import PDDecodeSched
+        from vllm_patch.testing.pd_sched import PDDecodeSched
 
         v: list[str] = []
         h = PDDecodeSched(async_scheduling=async_)
@@ -64,7 +64,7 @@ def _overlap(async_: bool) -> Callable[[], list[str]]:
 def _abort() -> list[str]:
     from vllm.v1.request import RequestStatus
 
-    from vllm_patch.pd.sched import PDDecodeSched
+    from vllm_patch.testing.pd_sched import PDDecodeSched
 
     h = PDDecodeSched()
     rid = h.add_remote_request(hold_grammar=False)
@@ -81,7 +81,7 @@ def _abort() -> list[str]:
 
 def _failed_load(policy: str) -> Callable[[], list[str]]:
     def run() -> list[str]:
-        from vllm_patch.pd.sched import PDDecodeSched
+        from vllm_patch.testing.pd_sched import PDDecodeSched
 
         h = PDDecodeSched(kv_load_failure_policy=policy)
         rid = h.add_remote_request(prompt_len=40, hold_grammar=False)
@@ -103,7 +103,7 @@ def _failed_load(policy: str) -> Callable[[], list[str]]:
 
 
 def _compile_failure() -> list[str]:
-    from vllm_patch.pd.sched import PDDecodeSched
+    from vllm_patch.testing.pd_sched import PDDecodeSched
 
     h = PDDecodeSched()
     rid = h.add_remote_request(hold_grammar=True, grammar_error=True)

@@ -2,4 +2,4 @@
 
 Ray places and supervises; each instance is a real vLLM OpenAI server
 process started by a Ray actor on its node (vllm_patch.launch.supervisor),
-the router (vllm_patch.pd.proxy) runs in the launching process."""
+the router (vllm_patch.launch.router) runs in the launching process."""

@@ -53,8 +53,8 @@ def run_mode(mode: str, model: str, workdir: str, requests: list[dict],
              spec_k: int) -> dict[str, Any]:
     from vllm_patch.launch.config import LaunchConfig
     from vllm_patch.launch.deployment import Deployment
-    from vllm_patch.pd import workload as wl
-    from vllm_patch.pd.launch import tiny_vllm_args
+    from vllm_patch.testing import workload as wl
+    from vllm_patch.testing.pd_pair import tiny_vllm_args
 
     cfg = LaunchConfig(
         model=model, served_model_name="tiny", connector="ExampleConnector",
@@ -113,7 +113,7 @@ def holds(row: dict[str, Any]) -> bool:
 def main(args: argparse.Namespace) -> int:
     import ray
 
-    from vllm_patch.pd import workload as wl
+    from vllm_patch.testing import workload as wl
     from vllm_patch.testing import tiny_model
 
     t0 = time.monotonic()

@@ -1,6 +1,6 @@
 """A P/D deployment on a Ray cluster: N prefill and M decode vLLM OpenAI
 servers, each supervised by a Ray actor on its node, and the P/D router
-(vllm_patch.pd.proxy) in front, in this process.
+(vllm_patch.launch.router) in front, in this process.
 
     with Deployment(cfg) as dep:      # places, starts, waits for /health
         print(dep.url)                # the router's endpoint
@@ -86,7 +86,7 @@ class Deployment:
 
     def metrics(self, role: str) -> dict[str, float]:
         """Prometheus metrics of a role, summed over its instances."""
-        from vllm_patch.pd.launch import parse_metrics
+        from vllm_patch.launch.router import parse_metrics
 
         total: dict[str, float] = {}
         for inst in self.role_instances(role):
@@ -115,7 +115,7 @@ class Deployment:
         self._place()
         self._start_servers()
         self.wait_ready()
-        from vllm_patch.pd.launch import ProxyThread
+        from vllm_patch.launch.router import ProxyThread
 
         try:
             self.router = ProxyThread([i.url for i in self.role_instances("prefill")],

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from vllm_patch.testing.harness import END_THINK, EOS, IM_END, THINK, Harness
-from vllm_patch.v1.core.sched import invariants as inv
+from vllm_patch.v1.core.sched.scheduler import invariants as inv
 
 # not_drained: after every request was aborted and the engine ran on, the
 # scheduler still holds a request, a transfer, or connector bookkeeping.

@@ -45,7 +45,7 @@ def test_normal_async_identical_to_stock(patched, spec):
     """The stock-correct path (async, queue 2) is bit-identical to stock."""
     import vllm_patch
     from vllm_patch import patching
-    from vllm_patch.v1.core.sched import inflight
+    from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
     before = dict(inflight.COUNTS)
     with_patches = _normal_async_run(spec)
@@ -66,7 +66,7 @@ def test_counts_and_strict(patched, monkeypatch):
     """Default: corrected and counted; VLLM_PATCH_STRICT=1: raises."""
     if not patched:
         pytest.skip("patched only")
-    from vllm_patch.v1.core.sched import inflight
+    from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
     run = g1.async_queue(3, stagger=1)
     assert run() == []
@@ -85,7 +85,7 @@ def test_unapplied_steps_tracking(patched):
         pytest.skip("patched only")
     from vllm.v1.request import RequestStatus
 
-    from vllm_patch.v1.core.sched import inflight
+    from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
     h = g1._h(async_scheduling=True)  # noqa: SLF001
     h.scheduler.use_v2_model_runner = True
@@ -108,7 +108,7 @@ def test_bitmask_check_corrects_when_gate_bypassed(patched):
         pytest.skip("patched only")
     import vllm_patch
     from vllm_patch import patching
-    from vllm_patch.v1.core.sched import inflight
+    from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
     before = inflight.COUNTS[inflight.BITMASK]
     patching.revert_patch("g1-gate-schedule")

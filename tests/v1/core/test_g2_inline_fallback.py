@@ -11,7 +11,7 @@ import pytest
 from vllm_patch import envs
 from vllm_patch.conformance import g2 as g2_scenarios
 from vllm_patch.patching import REGISTRY, State, apply_patch, revert_patch, vllm_version
-from vllm_patch.v1.core.sched import scheduler as g2
+from vllm_patch.v1.core.sched.scheduler import g2_commit_cut as g2
 
 pytestmark = pytest.mark.scheduler
 

@@ -152,7 +152,7 @@ def test_fallback_without_accept_once(patched):
         pytest.skip("patched run only")
     import vllm_patch
     from vllm_patch import patching
-    from vllm_patch.v1.core.sched.scheduler import ACCEPT_PATCH
+    from vllm_patch.v1.core.sched.scheduler.g2_commit_cut import ACCEPT_PATCH
 
     assert patching.REGISTRY.outcomes[ACCEPT_PATCH].state is \
         patching.State.APPLIED

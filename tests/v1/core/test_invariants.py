@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_patch.testing.harness import EOS, Harness
-from vllm_patch.v1.core.sched import invariants as inv
+from vllm_patch.v1.core.sched.scheduler import invariants as inv
 
 pytestmark = pytest.mark.scheduler
 
@@ -112,7 +112,7 @@ def _serve_and_corrupt(h: Harness):
 
 def _field_applied() -> bool:
     from vllm_patch import patching
-    from vllm_patch.v1.metrics.stats import FIELD_PATCH
+    from vllm_patch.v1.metrics.stats.invariants_field import FIELD_PATCH
 
     o = patching.REGISTRY.outcomes.get(FIELD_PATCH)
     return o is not None and o.state is patching.State.APPLIED
@@ -126,7 +126,7 @@ def test_serving_counts_on_prometheus_and_logs_once(caplog):
     from prometheus_client import REGISTRY
 
     from vllm_patch.v1.metrics import loggers
-    from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+    from vllm_patch.v1.metrics.stats.invariants_field import INVARIANT_FIELD
 
     name = "vllm_patch_invariant_violations_total"
     before = REGISTRY.get_sample_value(name, {"invariant": "placeholders"}) or 0
@@ -158,7 +158,7 @@ def test_violation_counts_reach_frontend_prometheus(patched):
     from vllm.v1.metrics.stats import SchedulerStats
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+    from vllm_patch.v1.metrics.stats.invariants_field import INVARIANT_FIELD
 
     h = Harness("xgrammar")
     _, outputs = _serve_and_corrupt(h)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_patch.pd.sched import PDDecodeSched
+from vllm_patch.testing.pd_sched import PDDecodeSched
 
 pytestmark = pytest.mark.scheduler
 

@@ -109,7 +109,7 @@ def _make_inject(original: Any) -> Any:
         invariant checker, as a real one would be (serving mode: one log
         line, counted on vllm_patch_invariant_violations_total wherever
         /metrics is served). Checks the metrics path end to end."""
-        from vllm_patch.v1.core.sched import invariants as inv
+        from vllm_patch.v1.core.sched.scheduler import invariants as inv
 
         scheduler = getattr(self, "scheduler", None)
         if scheduler is None or inv._WRAPPED not in scheduler.__dict__:  # noqa: SLF001

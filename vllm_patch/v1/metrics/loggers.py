@@ -55,7 +55,7 @@ def count(violations: dict[str, int] | None) -> None:
 
 
 def _make_record(original: Any) -> Any:
-    from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+    from vllm_patch.v1.metrics.stats.invariants_field import INVARIANT_FIELD
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None,
                engine_idx=0):

@@ -10,7 +10,7 @@ no override (the base method handles placeholders itself)."""
 from __future__ import annotations
 
 from vllm_patch.patching import Patch
-from vllm_patch.v1.core.sched.scheduler import STALE_ATTR, UPSTREAM
+from vllm_patch.v1.core.sched.scheduler.g2_commit_cut import STALE_ATTR, UPSTREAM
 
 
 def _make(original):

@@ -36,7 +36,7 @@ it does so with ONE grammar walk: the walk that stock would do afterwards in
 4. The kept list is marked as "already accepted" (`ACCEPTED`, keyed by
    the list object's id). Stock then calls
    `StructuredOutputManager.accept_tokens(request, kept)` with that very
-   list; `vllm_patch.v1.structured_output.manager_accept` turns that call
+   list; `vllm_patch.v1.structured_output.g2_accept_once` turns that call
    into a no-op that only latches `reasoning_ended` (as stock does when the
    grammar part is non-empty) and clears the mark. Any other call, or a
    list that is not the marked one, goes to stock unchanged.
@@ -111,7 +111,7 @@ REJECTED = "rejected"
 STALE_ATTR = "_vllm_patch_is_stale"
 # Kept token lists whose grammar tokens the wrapper has already accepted,
 # keyed by id(list) (the list itself is the value, so the id cannot be
-# reused while pending); consumed by manager_accept's accept_tokens wrapper
+# reused while pending); consumed by g2_accept_once's accept_tokens wrapper
 # a few lines later in the same update_from_output. Module-level rather
 # than an attribute on the request: a new instance attribute would un-share
 # the request's __dict__ and slow every attribute access on it.

@@ -1,51 +1,15 @@
-"""Patches of vllm.v1.metrics.stats.
-
-- G2: per-request spec-decode metrics never count more accepted tokens than
-  real drafts (scheduler-level stats: see vllm_patch.v1.core.sched.scheduler).
-- Issue 8 (opt-in, VLLM_PATCH_CHECK_INVARIANTS=1): a SchedulerStats field
-  that carries the invariant checker's violation counts from the engine core
-  to the frontend (see vllm_patch.v1.metrics.loggers)."""
+"""Package diagnostics for vllm.v1.metrics.stats (opt-in,
+VLLM_PATCH_CHECK_INVARIANTS=1): a SchedulerStats field that carries the
+invariant checker's violation counts from the engine core to the frontend,
+as vLLM's own scheduler stats travel (EngineCoreOutputs.scheduler_stats,
+msgpack-encoded between processes); the frontend's Prometheus logger counts
+them (vllm_patch.v1.metrics.loggers)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vllm_patch.patching import Patch
-from vllm_patch.v1.core.sched.scheduler import UPSTREAM
-
-
-def _make_observe(original):
-    def observe(self, num_draft_tokens, num_accepted, detailed=False):
-        # The scheduler passes drafts already net of grammar-invalidated ones.
-        if num_accepted > num_draft_tokens:
-            num_accepted = max(num_draft_tokens, 0)
-        return original(self, num_draft_tokens, num_accepted, detailed)
-
-    return observe
-
-
-PATCHES: list[Patch] = [
-    Patch(
-        name="g2-request-spec-metrics-cap",
-        guarantee="G2",
-        target="vllm.v1.metrics.stats:RequestSpecDecodeMetrics.observe",
-        versions=("0.32", "0.33"),
-        signature=("self", "num_draft_tokens", "num_accepted", "detailed"),
-        make=_make_observe,
-        why=("update_from_output observes (drafts - invalid, accepted): "
-             "post-terminal acceptances make accepted > drafts"),
-        how="cap num_accepted at num_draft_tokens",
-        upstream=UPSTREAM,
-        remove_when="vLLM caps accepted drafts at the grammar-valid drafts",
-    ),
-]
-
-
-# ---------------------------------------------------------------------------
-# Issue 8: the invariant checker's violation counts travel from the engine
-# core to the frontend on SchedulerStats, as vLLM's own scheduler stats do
-# (EngineCoreOutputs.scheduler_stats, msgpack-encoded between processes);
-# the frontend's Prometheus logger counts them (vllm_patch.v1.metrics.loggers).
 
 INVARIANT_FIELD = "vllm_patch_invariant_violations"
 FIELD_PATCH = "invariants-scheduler-stats-field"
@@ -102,7 +66,7 @@ def _invariants_enabled(s) -> bool:
     return s.check_invariants and not s.disable
 
 
-PATCHES.append(
+PATCHES: list[Patch] = [
     Patch(
         name=FIELD_PATCH,
         guarantee="package",
@@ -121,4 +85,4 @@ PATCHES.append(
         remove_when="never: opt-in diagnostics",
         enabled=_invariants_enabled,
     )
-)
+]

@@ -1,7 +1,7 @@
 """G2 for vllm.v1.structured_output: stock's post-append grammar accept
 becomes a no-op for tokens the G2 scheduler wrapper has already accepted.
 
-`vllm_patch.v1.core.sched.scheduler` advances the grammar once, in front of
+`vllm_patch.v1.core.sched.scheduler.g2_commit_cut` advances the grammar once, in front of
 the stock append, over exactly the tokens it lets the request keep, and
 marks the kept list (`ACCEPTED`, keyed by the list's id). Stock's
 `update_from_output` then calls `StructuredOutputManager.accept_tokens`
@@ -22,7 +22,7 @@ twice.
 from __future__ import annotations
 
 from vllm_patch.patching import Patch
-from vllm_patch.v1.core.sched.scheduler import (
+from vllm_patch.v1.core.sched.scheduler.g2_commit_cut import (
     ACCEPT_PATCH,
     ACCEPTED,
     UPSTREAM,

@@ -23,7 +23,7 @@ Flow per POST /v1/completions or /v1/chat/completions:
 GET /health: 200 when both instances answer /health with 200.
 GET /metrics: the instances' metrics, each line labelled pd_role="prefill|decode".
 
-    python -m vllm_patch.pd.proxy --prefill http://127.0.0.1:8100 \
+    python -m vllm_patch.launch.router --prefill http://127.0.0.1:8100 \
         --decode http://127.0.0.1:8200 --port 8000
 """
 
@@ -35,11 +35,14 @@ import copy
 import itertools
 import json
 import logging
+import threading
 import uuid
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
-logger = logging.getLogger("vllm_patch.pd.proxy")
+from vllm_patch.launch.supervisor import free_port
+
+logger = logging.getLogger("vllm_patch.launch.router")
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -219,6 +222,64 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO)
     web.run_app(make_app(a.prefill, a.decode), host=a.host, port=a.port,
                 access_log=None)
+
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name: sum over label sets}."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+class ProxyThread:
+    """The proxy (on an ephemeral port unless given), in a daemon thread with
+    its own event loop."""
+
+    def __init__(self, prefill: list[str], decode: list[str], host: str = "127.0.0.1",
+                 port: int | None = None) -> None:
+        self.router = Router(prefill, decode)
+        self.port = port or free_port()
+        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._runner = web.AppRunner(self.router.app(), access_log=None)
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, host, self.port)
+            try:
+                self._loop.run_until_complete(site.start())
+            except OSError as e:
+                self.error = e
+                self._ready.set()
+                return
+            self._ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True, name="pd-proxy")
+        self.error: OSError | None = None
+        self._thread.start()
+        self._ready.wait(30)
+        if self.error is not None:
+            raise RuntimeError(f"router cannot listen on {host}:{self.port}: {self.error}")
+
+    def stop(self) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        try:
+            fut.result(10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Each server runs `python -m vllm.entrypoints.openai.api_server` in its own
 session (process group); `stop()` signals only that group (SIGTERM, then
 SIGKILL after a grace period). Both servers start concurrently. The proxy
-(vllm_patch.pd.proxy) runs in a thread of the calling process.
+(vllm_patch.launch.router) runs in a thread of the calling process.
 
     with PDPair(PDConfig(storage=tmpdir)) as pd:
         requests.post(pd.url + "/v1/completions", json=...)
@@ -12,18 +12,17 @@ SIGKILL after a grace period). Both servers start concurrently. The proxy
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from vllm_patch.launch.router import ProxyThread, parse_metrics  # noqa: F401 (re-exported)
 from vllm_patch.launch.supervisor import free_port, kill_group
 from vllm_patch.testing.engine import STRUCTURED_OUTPUTS_CONFIG
 
@@ -151,21 +150,6 @@ class Server:
         self._log.close()
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: sum over label sets}."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
-
-
 def wait_healthy(servers: list[Server], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(servers)
@@ -182,52 +166,6 @@ def wait_healthy(servers: list[Server], timeout_s: float) -> None:
             raise TimeoutError(f"not healthy after {timeout_s}s: "
                                f"{[s.role for s in pending]}\n{pending[0].log_tail()}")
         time.sleep(1.0)
-
-
-class ProxyThread:
-    """The proxy (on an ephemeral port unless given), in a daemon thread with
-    its own event loop."""
-
-    def __init__(self, prefill: list[str], decode: list[str], host: str = "127.0.0.1",
-                 port: int | None = None) -> None:
-        from aiohttp import web
-
-        from vllm_patch.pd.proxy import Router
-
-        self.router = Router(prefill, decode)
-        self.port = port or free_port()
-        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._runner = web.AppRunner(self.router.app(), access_log=None)
-
-        def run() -> None:
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, host, self.port)
-            try:
-                self._loop.run_until_complete(site.start())
-            except OSError as e:
-                self.error = e
-                self._ready.set()
-                return
-            self._ready.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=run, daemon=True, name="pd-proxy")
-        self.error: OSError | None = None
-        self._thread.start()
-        self._ready.wait(30)
-        if self.error is not None:
-            raise RuntimeError(f"router cannot listen on {host}:{self.port}: {self.error}")
-
-    def stop(self) -> None:
-        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
-        try:
-            fut.result(10)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
 
 
 class PDPair:

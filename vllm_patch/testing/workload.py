@@ -114,7 +114,7 @@ def prefill_half(pd: Any, path: str, body: dict) -> dict | None:
     `kv_transfer_params` (None when it returned none). Raises on a non-200."""
     import requests
 
-    from vllm_patch.pd import proxy
+    from vllm_patch.launch import router as proxy
 
     pre = requests.post(pd.server("prefill").url + path,
                         json=proxy.prefill_body(body, chat=path.endswith("chat/completions")),
@@ -130,7 +130,7 @@ def decode_half(pd: Any, path: str, body: dict, params: dict | None,
     decode instance (a requests.Response; `stream=True` passes through)."""
     import requests
 
-    from vllm_patch.pd import proxy
+    from vllm_patch.launch import router as proxy
 
     return requests.post(pd.server("decode").url + path,
                          json=proxy.decode_body(body, params), timeout=timeout, **kw)

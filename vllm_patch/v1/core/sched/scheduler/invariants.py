@@ -115,7 +115,7 @@ def _stats_field_applied() -> bool:
     try:
         from vllm.v1.metrics.stats import SchedulerStats
 
-        from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+        from vllm_patch.v1.metrics.stats.invariants_field import INVARIANT_FIELD
 
         return INVARIANT_FIELD in SchedulerStats.__dataclass_fields__ and \
             INVARIANT_FIELD in SchedulerStats.__dict__
@@ -216,7 +216,7 @@ class Checker:
         (vLLM attaches one per step when log_stats is on)."""
         if not self.pending_counts:
             return
-        from vllm_patch.v1.metrics.stats import INVARIANT_FIELD
+        from vllm_patch.v1.metrics.stats.invariants_field import INVARIANT_FIELD
 
         for eco in outputs.values():
             stats = getattr(eco, "scheduler_stats", None)

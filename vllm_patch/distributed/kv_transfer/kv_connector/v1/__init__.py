@@ -1,0 +1,1 @@
+"""Patches of vllm.distributed.kv_transfer.kv_connector.v1."""

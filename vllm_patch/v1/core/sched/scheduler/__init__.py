@@ -1,0 +1,1 @@
+"""Patches of vllm.v1.core.sched.scheduler, one file per guarantee."""

@@ -1,0 +1,1 @@
+"""Patches of vllm.v1.metrics.stats, one file per guarantee."""
