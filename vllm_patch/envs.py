@@ -39,9 +39,12 @@ class Settings:
     disable: bool
     # Comma-separated patch names not to apply.
     skip: frozenset[str]
-    # Startup: a patch that cannot be verified is an error, not a warning.
-    # Runtime: use of stale grammar state raises instead of being corrected.
+    # Start-up: a guarantee that cannot be enforced (unverifiable or failing
+    # patch) stops vLLM from starting instead of being reported.
     strict: bool
+    # Runtime: stale grammar state that would be used despite G1's mechanism
+    # (its safety net firing) raises instead of being corrected.
+    strict_runtime: bool
     # G2: grammar termination finishes a structured request (0 restores stock).
     stop_on_grammar_termination: bool
     # Runtime invariant checker (issue 8); off by default in serving.
@@ -62,7 +65,15 @@ ENV_VARS: dict[str, str] = {
         "its own variable still applies"
     ),
     "VLLM_PATCH_SKIP": "comma-separated patch names not to apply",
-    "VLLM_PATCH_STRICT": "1 makes an unverifiable patch an error at startup",
+    "VLLM_PATCH_STRICT": (
+        "1 makes a guarantee that cannot be enforced (unverifiable or failing "
+        "patch) a start-up error"
+    ),
+    "VLLM_PATCH_STRICT_RUNTIME": (
+        "1 raises when stale grammar state would be used despite the G1 "
+        "mechanism (a bug in vLLM or a custom scheduler), instead of "
+        "correcting it"
+    ),
     "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION": (
         "0 restores stock termination (grammar end is not a stop condition)"
     ),
@@ -84,6 +95,7 @@ def settings() -> Settings:
         disable=_flag("VLLM_PATCH_DISABLE", False),
         skip=_names("VLLM_PATCH_SKIP"),
         strict=_flag("VLLM_PATCH_STRICT", False),
+        strict_runtime=_flag("VLLM_PATCH_STRICT_RUNTIME", False),
         stop_on_grammar_termination=_flag(
             "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", True
         ),

@@ -158,6 +158,19 @@ class Patch:
     # attribute must NOT; no signature check; `make(None)` builds it; revert
     # deletes it.
     new_attribute: bool = False
+    # Wraps an attribute per object (e.g. one KV connector instance), not on
+    # the class: applying verifies the target on the class and arms the
+    # patch; `wrap_instance(name, obj)` then installs `make(obj.<attr>)` on
+    # the object; revert removes it from every object it was installed on.
+    per_instance: bool = False
+    # vLLM source this patch mirrors or relies on (see Pin).
+    pins: tuple[Pin, ...] = ()
+    # False: the guarantee still holds without this patch (another path
+    # takes over); its failure is reported but does not withdraw the rest.
+    required: bool = True
+    # Run on revert after the attribute is restored (e.g. to remove a
+    # dataclass field entry the patch added).
+    undo: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         ids = tuple(GUARANTEES) + NON_GUARANTEE_IDS
