@@ -26,7 +26,8 @@ from vllm_patch.conformance import Scenario
 REGEX = "(ab)+"
 
 
-def _h(**kw: Any):
+def harness(**kw: Any):
+    """An xgrammar scheduler harness (no drafts unless `num_spec_tokens`)."""
     from vllm_patch.testing.harness import Harness
 
     kw.setdefault("num_spec_tokens", 0)
@@ -166,7 +167,9 @@ def _ref(h) -> Reference:
     return ref
 
 
-def _add(h, n: int = 1, max_tokens: int = 12, prompt=None) -> list[str]:
+def add_requests(h, n: int = 1, max_tokens: int = 12, prompt=None) -> list[str]:
+    """Add `n` "(ab)+" requests (ignore_eos) and register them with the
+    reference that `check` compares against."""
     p = prompt or [h.tok(c) for c in "xyzx"]
     rids = [h.add_request(p, regex=REGEX, ignore_eos=True, max_tokens=max_tokens)
             for _ in range(n)]
@@ -175,10 +178,16 @@ def _add(h, n: int = 1, max_tokens: int = 12, prompt=None) -> list[str]:
     return rids
 
 
+# The former private names, until tests/v1/core/test_g1_inflight.py moves to
+# `harness` / `add_requests`.
+_h = harness
+_add = add_requests
+
+
 # ----------------------------------------------------------------- scenarios
 def async_queue(depth: int, stagger: int | None = None, spec: int = 0):
     def run() -> list[str]:
-        h = _h(async_scheduling=True, num_spec_tokens=spec)
+        h = harness(async_scheduling=True, num_spec_tokens=spec)
         if stagger is not None:
             # V2 runner + PP decode cadence (0.32/0.33 async_scheduler.py):
             # a request is eligible again `decode_stagger` steps later.
@@ -189,7 +198,7 @@ def async_queue(depth: int, stagger: int | None = None, spec: int = 0):
         # queue that already holds a step (the audit's interleaving).
         plain = h.add_request([h.tok(c) for c in "xyzx"], max_tokens=14)
         h.engine_step()
-        rids = _add(h, 2)
+        rids = add_requests(h, 2)
         assert plain not in rids
         return _run(h, rids, 12)
 
@@ -198,26 +207,26 @@ def async_queue(depth: int, stagger: int | None = None, spec: int = 0):
 
 def sync_batch_queue_drafts() -> list[str]:
     """Gap 2: sync Scheduler + batch queue (PP, no async) + drafts."""
-    h = _h(async_scheduling=False, num_spec_tokens=3)
+    h = harness(async_scheduling=False, num_spec_tokens=3)
     h.engine_setup(2, sampler, drafter)
-    rids = _add(h, 1)
+    rids = add_requests(h, 1)
     return _run(h, rids, 10)
 
 
 def sync_no_queue_drafts() -> list[str]:
     """Control: EngineCore.step + post_step with drafts."""
-    h = _h(async_scheduling=False, num_spec_tokens=3)
+    h = harness(async_scheduling=False, num_spec_tokens=3)
     h.engine_setup(1, sampler, drafter)
-    rids = _add(h, 1)
+    rids = add_requests(h, 1)
     return _run(h, rids, 8)
 
 
 def preempt_resume_in_flight() -> list[str]:
     """Async depth 2: preempt a structured request with a step in flight
     (deliver mode), resume it, and keep going."""
-    h = _h(async_scheduling=True)
+    h = harness(async_scheduling=True)
     h.engine_setup(2, sampler)
-    rids = _add(h, 2)
+    rids = add_requests(h, 2)
     for _ in range(3):
         h.engine_step()
     victim = h.request(rids[1])
@@ -234,9 +243,9 @@ def preempt_resume_in_flight() -> list[str]:
 def prefix_reset_in_flight() -> list[str]:
     """Async depth 2: reset_prefix_cache(reset_running_requests=True) with
     steps in flight (drop mode)."""
-    h = _h(async_scheduling=True)
+    h = harness(async_scheduling=True)
     h.engine_setup(2, sampler)
-    rids = _add(h, 2)
+    rids = add_requests(h, 2)
     for _ in range(3):
         h.engine_step()
     h.scheduler.reset_prefix_cache(reset_running_requests=True)
@@ -248,11 +257,11 @@ def abort_in_flight() -> list[str]:
     flight; the others keep current grammars, nothing stays gated."""
     from vllm.v1.request import RequestStatus
 
-    h = _h(async_scheduling=True)
+    h = harness(async_scheduling=True)
     h.scheduler.use_v2_model_runner = True
     h.scheduler.decode_stagger = 2
     h.engine_setup(3, sampler)
-    rids = _add(h, 3)
+    rids = add_requests(h, 3)
     for _ in range(4):
         h.engine_step()
     h.scheduler.finish_requests([rids[0]], RequestStatus.FINISHED_ABORTED)
@@ -266,10 +275,10 @@ def abort_in_flight() -> list[str]:
 def kv_recompute_async() -> list[str]:
     """Gap C: async, a failed KV load (recompute policy) of a request whose
     next step is already in flight."""
-    h = _h(async_scheduling=True, block_size=4)
+    h = harness(async_scheduling=True, block_size=4)
     h.engine_setup(2, sampler)
     prompt = [h.tok(c) for c in "xyzxyzxy"]  # two full blocks
-    (rid,) = _add(h, 1, prompt=prompt)
+    (rid,) = add_requests(h, 1, prompt=prompt)
     # step 1: prefill (samples), queued; step 2: decode, deferred -> pops 1.
     h.engine_step()
     first = h.steps[-1]

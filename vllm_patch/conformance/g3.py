@@ -168,8 +168,9 @@ def _stop_ids(h: Any, rid: str) -> set[int]:
     return {EOS}
 
 
-def _step(h: Any, worker_drafts: dict[str, list[int]],
-          target: dict[str, list[int]], *, async_: bool) -> tuple[Any, Any, dict]:
+def sample_step(h: Any, worker_drafts: dict[str, list[int]],
+                target: dict[str, list[int]], *,
+                async_: bool) -> tuple[Any, Any, dict]:
     """Apply one decode step (async: the oldest in-flight one) through the
     V1 runner stand-in; returns (record, grammar_output, sampled)."""
     from vllm.v1.outputs import DraftTokenIds
@@ -183,7 +184,7 @@ def _step(h: Any, worker_drafts: dict[str, list[int]],
             k: list(v) for k, v in so.scheduled_spec_decode_tokens.items()}
     else:
         so = h.schedule()
-    h._grammar(so)  # noqa: SLF001 - records rows + num_acceptable_drafts
+    h.grammar_bitmask(so)  # records rows + num_acceptable_drafts
     go = h.scheduler.get_grammar_bitmask(so)
     sampled = v1_runner_sample(h, so, go, worker_drafts if async_ else {}, target)
     so._vllm_patch_record.grammar_invalid = _grammar_invalid(h, sampled)
@@ -257,11 +258,11 @@ def _post_terminal(backend: str, ignore_eos: bool, async_: bool) -> Callable[[],
             h.launch()                                   # prefill
             h.launch(drafts={rid: [b, EOS, c]})          # worker's drafts
             h.finish_oldest({rid: [a]})
-            record, _, sampled = _step(h, {rid: [b, EOS, c]},
-                                       {rid: [b, EOS, c, d]}, async_=True)
+            record, _, sampled = sample_step(h, {rid: [b, EOS, c]},
+                                             {rid: [b, EOS, c, d]}, async_=True)
         else:
             h.step({rid: [a]}, drafts={rid: [b, EOS, c]})  # validated: [b, EOS]
-            record, _, sampled = _step(h, {}, {rid: [b, EOS, c]}, async_=False)
+            record, _, sampled = sample_step(h, {}, {rid: [b, EOS, c]}, async_=False)
         v = _check(h, rid, record, sampled, terminal_at=1, invalid_at=None)
         h.drain()
         return v
@@ -283,7 +284,7 @@ def _invalid(async_unvalidated: bool) -> Callable[[], list[str]]:
             h.launch(drafts=None)
             h.finish_oldest({rid: [a]})
             so = h.in_flight.popleft()
-            h._grammar(so)  # noqa: SLF001
+            h.grammar_bitmask(so)
             go = h.scheduler.get_grammar_bitmask(so)
             worker = {rid: [b, x, x]}
             sampled = v1_runner_sample(h, so, go, worker, {rid: [b, x, x, x]})
@@ -293,8 +294,8 @@ def _invalid(async_unvalidated: bool) -> Callable[[], list[str]]:
         else:
             h.launch(drafts={rid: [b, x, c]})           # x is invalid
             h.finish_oldest({rid: [a]})
-            record, _, sampled = _step(h, {rid: [b, x, c]},
-                                       {rid: [b, x, c, x]}, async_=True)
+            record, _, sampled = sample_step(h, {rid: [b, x, c]},
+                                             {rid: [b, x, c, x]}, async_=True)
             invalid_at = 1
         v = _check(h, rid, record, sampled, terminal_at=None,
                    invalid_at=invalid_at)
@@ -416,7 +417,7 @@ def _draft_skip(async_: bool, goes_on: bool) -> Callable[[], list[str]]:
         n = h.add_request(regex="a[ab]*", ignore_eos=True)
         h.step({t: [a], n: [a]}, drafts={t: [b, EOS], n: [b, b]})
         so = h.schedule()
-        h._grammar(so)  # noqa: SLF001
+        h.grammar_bitmask(so)
         go = grammar_output_of(so._vllm_patch_record, [t, n])
         spec = {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()}
         params = {r: h.request(r).sampling_params for r in (t, n)}

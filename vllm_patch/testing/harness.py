@@ -354,7 +354,10 @@ class Harness:
         so._vllm_patch_record = self.steps[-1]  # type: ignore[attr-defined]
         return so
 
-    def _grammar(self, so: Any) -> None:
+    def grammar_bitmask(self, so: Any) -> None:
+        """Build the grammar bitmask of step `so` (the scheduler's
+        `get_grammar_bitmask`, as EngineCore does before sampling) and record
+        each request's rows and `num_acceptable_drafts` on its StepRecord."""
         record: StepRecord = so._vllm_patch_record
         out = self.scheduler.get_grammar_bitmask(so)
         if out is None:
@@ -430,7 +433,7 @@ class Harness:
         error, except that a deliberately over-long list is allowed for
         synthetic inputs when `clip` is None."""
         so = self.schedule()
-        self._grammar(so)
+        self.grammar_bitmask(so)
         spec = so.scheduled_spec_decode_tokens
         for rid in list(sampled):
             room = 1 + len(spec.get(rid, ()))
@@ -484,7 +487,7 @@ class Harness:
                 DraftTokenIds(ids, [list(drafts[r]) for r in ids]), so)
             so._vllm_patch_record.spec_tokens = {
                 k: list(v) for k, v in so.scheduled_spec_decode_tokens.items()}
-        self._grammar(so)
+        self.grammar_bitmask(so)
         self.run_model(so, sampled, logprobs)
         return so._vllm_patch_record
 
@@ -553,7 +556,7 @@ class Harness:
         so._vllm_patch_samples = samples  # type: ignore[attr-defined]
 
     def _engine_sample(self, so: Any) -> None:
-        self._grammar(so)
+        self.grammar_bitmask(so)
         rec: StepRecord = so._vllm_patch_record
         out: dict[str, list[int]] = {}
         for rid in so._vllm_patch_samples:

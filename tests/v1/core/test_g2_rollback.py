@@ -193,7 +193,7 @@ def test_one_grammar_walk_per_step(patched, backend):
     h.step({rid: stream[:1]}, drafts={rid: stream[1:4]})
     for i in range(3):
         so = h.schedule()
-        h._grammar(so)  # noqa: SLF001 - the schedule-time walk is not counted
+        h.grammar_bitmask(so)  # the schedule-time walk is not counted
         for name in calls:
             g.__dict__[name] = spy(name)
         h.run_model(so, {rid: stream[1 + 4 * i:5 + 4 * i]})

@@ -104,7 +104,7 @@ def _serve_and_corrupt(h: Harness):
     outputs = []
     for _ in range(2):
         so = h.schedule()
-        h._grammar(so)  # noqa: SLF001
+        h.grammar_bitmask(so)
         outputs.append(h.scheduler.update_from_output(
             so, fake_runner_output(so, {rid: [h.tok("a")]})))
     return rid, outputs

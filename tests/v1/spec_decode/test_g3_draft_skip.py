@@ -128,7 +128,7 @@ def test_rows_of_a_real_grammar_output():
     n = h.add_request(regex="a[ab]*")
     h.step({t: [a], n: [a]}, drafts={t: [b, EOS], n: [b, b, b]})
     so = h.schedule()
-    h._grammar(so)
+    h.grammar_bitmask(so)
     go = h.scheduler.get_grammar_bitmask(so)
     rows = grammar_end.request_rows(go.structured_output_request_ids,
                                     go.grammar_bitmask,
@@ -178,7 +178,7 @@ def test_drafter_skipped_only_when_every_request_ends(patched, async_):
     u = h.add_request(ignore_eos=True)
     h.step({t: [a], n: [a], u: [x]}, drafts={t: [b, EOS], n: [b, b], u: [x]})
     so = h.schedule()
-    h._grammar(so)
+    h.grammar_bitmask(so)
     record = so._vllm_patch_record
     spec = {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()}
     go = _grammar_output(h, [t, n], record)
@@ -188,7 +188,7 @@ def test_drafter_skipped_only_when_every_request_ends(patched, async_):
     runner = _Runner([t, n, u], params, async_)
     got = _propose(runner, go, spec, [[b, EOS], [b, b, a], [x, x]])
     assert got == "drafter"
-    stats = g3._stats(runner)
+    stats = g3.draft_skip_stats(runner)
     assert stats["token_reads"] == 0  # never read with a request going on
 
     # Only structured requests, every one ends: skipped (patched).
@@ -198,15 +198,15 @@ def test_drafter_skipped_only_when_every_request_ends(patched, async_):
         assert got == "drafter"
         return
     assert got == "skipped"
-    assert g3._stats(runner)["skipped_calls"] == 1
-    assert g3._stats(runner)["skipped_request_drafts"] == 2
+    assert g3.draft_skip_stats(runner)["skipped_calls"] == 1
+    assert g3.draft_skip_stats(runner)["skipped_request_drafts"] == 2
 
     # Same, but N samples content only: drafter runs; T's drafts are not
     # handed over (no compute saved there).
     runner = _Runner([t, n], params, async_)
     got = _propose(runner, go, spec, [[b, EOS], [b, b, a]])
     assert got == "drafter"
-    assert g3._stats(runner)["dropped_request_drafts"] == 1
+    assert g3.draft_skip_stats(runner)["dropped_request_drafts"] == 1
     assert runner.__dict__[g3._DROP_ATTR] == {t}
     take = g3._make_take_draft_token_ids(
         lambda self: SimpleNamespace(req_ids=[t, n], draft_token_ids=[[1, 2, 3]] * 2))
@@ -216,9 +216,9 @@ def test_drafter_skipped_only_when_every_request_ends(patched, async_):
     # the scheduler, which finished T meanwhile, left it out of the grammar
     # output: skipped without reading tokens.
     runner = _Runner([t], params, async_)
-    reads = g3._stats(runner)["token_reads"]
+    reads = g3.draft_skip_stats(runner)["token_reads"]
     assert _propose(runner, None, {t: [x, x, x]}, [[x, x, x, x]]) == "skipped"
-    assert g3._stats(runner)["token_reads"] == reads
+    assert g3.draft_skip_stats(runner)["token_reads"] == reads
 
     # A misprediction is noticed (counted; drafting resumes): T, seen ending,
     # is still in the grammar output later than one in-flight step allows.
@@ -227,7 +227,7 @@ def test_drafter_skipped_only_when_every_request_ends(patched, async_):
     for _ in range(2 if async_ else 1):
         got = _propose(runner, go, spec, [[b, b], [b, b, a]])
     assert got == "drafter"
-    assert g3._stats(runner)["mispredicted"] == 1
+    assert g3.draft_skip_stats(runner)["mispredicted"] == 1
 
 
 def test_no_skip_without_g2_termination(patched, monkeypatch):
@@ -241,7 +241,7 @@ def test_no_skip_without_g2_termination(patched, monkeypatch):
     t = h.add_request(regex="ab", ignore_eos=True)
     h.step({t: [a]}, drafts={t: [b, EOS]})
     so = h.schedule()
-    h._grammar(so)
+    h.grammar_bitmask(so)
     go = _grammar_output(h, [t], so._vllm_patch_record)
     runner = _Runner([t], {t: h.request(t).sampling_params})
     spec = {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()}

@@ -45,12 +45,12 @@ def test_rows_and_acceptable_drafts_in_a_mixed_batch(patched, async_):
         h.launch()
         h.launch(drafts=worker)
         h.finish_oldest({r: [a] for r in (t, v, n)} | {u: [x]})
-        record, go, sampled = g3._step(h, worker, target, async_=True)
+        record, go, sampled = g3.sample_step(h, worker, target, async_=True)
         spec = record.spec_tokens
         assert spec[t] == [b, EOS, -1] and spec[v] == [b, -1, -1]
     else:
         h.step({r: [a] for r in (t, v, n)} | {u: [x]}, drafts=worker)
-        record, go, sampled = g3._step(h, {}, target, async_=False)
+        record, go, sampled = g3.sample_step(h, {}, target, async_=False)
         spec = record.spec_tokens
         assert spec[t] == [b, EOS] and spec[v] == [b]  # validated, truncated
     acc = record.num_acceptable_drafts
@@ -98,10 +98,10 @@ def test_terminated_at_step_start_keeps_stock_row(patched, monkeypatch):
     h.launch(drafts={rid: [b, EOS]})
     h.finish_oldest({rid: [a]})
     h.launch(drafts={rid: [x, x]})
-    g3._step(h, {rid: [b, EOS]}, {rid: [b, EOS, EOS]}, async_=True)
+    g3.sample_step(h, {rid: [b, EOS]}, {rid: [b, EOS, EOS]}, async_=True)
     assert h.grammar(rid).is_terminated()
-    record, go, sampled = g3._step(h, {rid: [x, x]}, {rid: [x, x, x]},
-                                   async_=True)
+    record, go, sampled = g3.sample_step(h, {rid: [x, x]}, {rid: [x, x, x]},
+                                         async_=True)
     assert record.num_acceptable_drafts[rid] == 0
     assert all(_full(h, r) for r in record.bitmask_rows[rid])
     assert sampled[rid] == ([x] if patched else [x, x, x])
