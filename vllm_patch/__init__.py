@@ -13,24 +13,26 @@ import logging
 
 __version__ = "0.1.0"
 
-# Modules that define patches, each exposing PATCHES: list[Patch]. A patch for
-# vLLM module vllm.X.Y lives in vllm_patch.X.Y.
-PATCH_MODULES: tuple[str, ...] = (
-    "vllm_patch.platforms.cpu",
-    "vllm_patch.v1.engine.core",
-    "vllm_patch.v1.core.sched.scheduler.g1_inflight",
-    "vllm_patch.v1.core.sched.scheduler.g2_commit_cut",
-    "vllm_patch.v1.core.sched.scheduler.g4_kv_overlap",
-    "vllm_patch.v1.core.sched.scheduler.invariants",
-    "vllm_patch.v1.core.sched.async_scheduler",
-    "vllm_patch.v1.metrics.stats.g2_spec_metrics_cap",
-    "vllm_patch.v1.metrics.stats.invariants_field",
-    "vllm_patch.v1.metrics.loggers",
-    "vllm_patch.v1.structured_output.g2_accept_once",
-    "vllm_patch.v1.structured_output.g3_rows",
-    "vllm_patch.v1.worker.gpu_model_runner",
-    "vllm_patch.distributed.kv_transfer.kv_connector.v1.base",
-)
+# Modules that define patches, each exposing PATCHES: list[Patch], with the
+# guarantees they serve (if a module fails to import, those guarantees are
+# not enforced). A patch for vLLM module vllm.X.Y lives in vllm_patch.X.Y
+# (a folder with one file per guarantee when several patch that module).
+PATCH_MODULES: dict[str, tuple[str, ...]] = {
+    "vllm_patch.platforms.cpu": ("test-only",),
+    "vllm_patch.v1.engine.core": ("package",),
+    "vllm_patch.v1.core.sched.scheduler.g1_inflight": ("G1",),
+    "vllm_patch.v1.core.sched.scheduler.g2_commit_cut": ("G2",),
+    "vllm_patch.v1.core.sched.scheduler.g4_kv_overlap": ("G4",),
+    "vllm_patch.v1.core.sched.scheduler.invariants": ("package",),
+    "vllm_patch.v1.core.sched.async_scheduler": ("G2",),
+    "vllm_patch.v1.metrics.stats.g2_spec_metrics_cap": ("G2",),
+    "vllm_patch.v1.metrics.stats.invariants_field": ("package",),
+    "vllm_patch.v1.metrics.loggers": ("package",),
+    "vllm_patch.v1.structured_output.g2_accept_once": ("G2",),
+    "vllm_patch.v1.structured_output.g3_rows": ("G3",),
+    "vllm_patch.v1.worker.gpu_model_runner": ("G3",),
+    "vllm_patch.distributed.kv_transfer.kv_connector.v1.base": ("G4",),
+}
 
 logger = logging.getLogger("vllm_patch")
 
@@ -81,23 +83,46 @@ def _route_logs_to_vllm() -> None:
 
 
 def load_patches() -> None:
-    """Import every patch module and put its patches in the registry."""
+    """Import every patch module and put its patches in the registry. A
+    module that fails to import is recorded (its guarantees are then not
+    enforced); it never stops vLLM from starting."""
     from vllm_patch.patching import REGISTRY
 
-    for name in PATCH_MODULES:
-        module = importlib.import_module(name)
-        for patch in module.PATCHES:
-            REGISTRY.add(patch)
+    for name, gids in PATCH_MODULES.items():
+        try:
+            module = importlib.import_module(name)
+            patches = list(module.PATCHES)
+            for patch in patches:
+                REGISTRY.add(patch)
+        except Exception as exc:  # noqa: BLE001 - never stop vLLM
+            REGISTRY.module_errors[name] = (gids, f"{type(exc).__name__}: {exc}")
+        else:
+            REGISTRY.module_errors.pop(name, None)
 
 
 def register() -> None:
-    """Apply every verifiable patch to the installed vLLM (idempotent)."""
+    """Apply every verifiable patch to the installed vLLM (idempotent).
+
+    Never raises, except for a malformed VLLM_PATCH_* variable (a clear
+    configuration error) and, under VLLM_PATCH_STRICT=1, `PatchError` when a
+    guarantee cannot be enforced."""
     from vllm_patch import envs, patching
 
     _route_logs_to_vllm()
     settings = envs.settings()
-    load_patches()
-    outcomes = patching.apply_all(settings)
+    try:
+        load_patches()
+        outcomes = patching.apply_all(settings)
+    except patching.PatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the registry itself failed
+        if settings.strict:
+            raise
+        logger.exception("vllm_patch: internal error while applying patches "
+                         "(%s); every patch reverted, G1-G4 are NOT enforced",
+                         exc)
+        patching.revert_all()
+        return
     applied = [o.patch.name for o in outcomes if o.state is patching.State.APPLIED]
     if settings.disable:
         # Only test-only switches can be applied here (patching.disabled).
@@ -110,5 +135,7 @@ def register() -> None:
             )
             register._said_disabled = applied  # type: ignore[attr-defined]
         return
-    logger.info("vllm_patch %s on vLLM %s: applied %s", __version__,
-                patching.vllm_version(), ", ".join(applied) or "nothing")
+    if getattr(register, "_said_applied", None) != applied:
+        logger.info("vllm_patch %s on vLLM %s: applied %s", __version__,
+                    patching.vllm_version(), ", ".join(applied) or "nothing")
+        register._said_applied = applied  # type: ignore[attr-defined]

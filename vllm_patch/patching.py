@@ -1,16 +1,18 @@
 """The patch registry.
 
-A `Patch` is a record: which guarantee it serves, which vLLM attribute it
-replaces, which vLLM release series its code was written against, the
-parameter names it expects the target to have, how to build the replacement
-from the original, and why it exists / when it can go. `vllm-patch status`
-prints these records.
+A `Patch` is a record: the guarantee it serves, the vLLM attribute it
+replaces, the vLLM series its code was written against, the signature it
+expects, the vLLM source it mirrors or relies on (`Pin`), how to build the
+replacement, and why it exists / when it can go. `vllm-patch status` prints
+these records.
 
-Applying is verified and idempotent: a patch is applied only when the
-installed vLLM belongs to a series the patch knows and the target exists with
-the expected signature; applying twice never wraps twice. Anything that
-cannot be verified is skipped with one warning naming the guarantee left
-unenforced, or raises `PatchError` under `VLLM_PATCH_STRICT=1`.
+Applying is verified, idempotent and all-or-nothing per guarantee: a patch
+applies only on a known vLLM series with its target, signature and pins as
+audited, and any exception while importing, checking, building or applying
+is caught (state ERROR). If one required patch of a guarantee cannot be
+applied, the guarantee's other patches are withdrawn (reverted), and one
+warning line per guarantee says which patch and why. vLLM always starts;
+`VLLM_PATCH_STRICT=1` turns an unenforced guarantee into a start-up error.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import functools
 import importlib
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm_patch import envs
 
-logger = logging.getLogger("vllm_patch")
+logger = logging.getLogger(__name__)
 
 # vLLM release series whose source the patches of this package were written
 # and tested against. A series outside this set is "unknown": nothing applied.
@@ -79,8 +82,11 @@ NAME_ATTR = "__vllm_patch_name__"
 HAD_OWN_ATTR = "__vllm_patch_had_own__"
 
 
+IMPL_ATTR = "__vllm_patch_impl__"
+
+
 class PatchError(RuntimeError):
-    """A patch could not be verified and VLLM_PATCH_STRICT=1 is set."""
+    """A guarantee cannot be enforced and VLLM_PATCH_STRICT=1 is set."""
 
 
 class State(str, enum.Enum):
@@ -92,17 +98,23 @@ class State(str, enum.Enum):
     UNKNOWN_VERSION = "skipped: unknown vLLM version"
     TARGET_MISSING = "skipped: target not found"
     SIGNATURE_MISMATCH = "skipped: signature differs"
+    SOURCE_DRIFT = "skipped: vLLM source differs from the audited one"
+    ERROR = "error"
+    WITHDRAWN = "withdrawn: its guarantee cannot be enforced"
     NOT_REGISTERED = "not registered yet"
 
 
-# States that leave the patch's guarantee unenforced (and warn).
-UNENFORCED_STATES = (
-    State.DISABLED,
-    State.SKIPPED_BY_USER,
+# The patch cannot be applied on this vLLM: its guarantee is not enforced.
+FAILED_STATES = (
     State.UNKNOWN_VERSION,
     State.TARGET_MISSING,
     State.SIGNATURE_MISMATCH,
+    State.SOURCE_DRIFT,
+    State.ERROR,
 )
+# States that leave (part of) the patch's guarantee unenforced.
+UNENFORCED_STATES = FAILED_STATES + (
+    State.DISABLED, State.SKIPPED_BY_USER, State.WITHDRAWN)
 
 
 def source_digest(obj: Any) -> str | None:
@@ -187,11 +199,19 @@ class Patch:
     def attr_path(self) -> list[str]:
         return self.target.split(":", 1)[1].split(".")
 
+    @property
+    def defined_in(self) -> str:
+        """The vllm_patch module that defines this patch."""
+        return getattr(self.make, "__module__", None) or "?"
+
     def record(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "guarantee": self.guarantee,
             "target": self.target,
+            "defined_in": self.defined_in,
+            "required": self.required,
+            "pins": [p.target for p in self.pins],
             "versions": list(self.versions),
             "why": self.why,
             "how": self.how,
@@ -210,15 +230,26 @@ class Outcome:
     attr: str = ""
     had_own_attr: bool = False
     original: Any = None
+    # Which implementation is live (the replacement's IMPL_ATTR, else
+    # "wrapper"; "per-object wrapper" / "added attribute" by kind).
+    impl: str = ""
+    # Pins that differ but have a fallback implementation.
+    drift: str = ""
 
 
 @dataclass
 class Registry:
     patches: dict[str, Patch] = field(default_factory=dict)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
-    # (patch, state, detail) already warned about: one warning per skipped
-    # patch per process, however often register() runs.
-    warned: set[tuple[str, str, str]] = field(default_factory=set)
+    # Patch module -> error text, for modules that failed to import, and the
+    # guarantees each such module serves (none of them is enforced).
+    module_errors: dict[str, tuple[tuple[str, ...], str]] = field(default_factory=dict)
+    # Per-object patches: patch name -> weak references to the objects
+    # wrapped (listed by status, removed by revert).
+    instances: dict[str, list[weakref.ref]] = field(default_factory=dict)
+    # Warning lines already logged (once per process, however often
+    # register() runs).
+    warned: set[str] = field(default_factory=set)
 
     def add(self, patch: Patch) -> None:
         existing = self.patches.get(patch.name)
@@ -230,6 +261,7 @@ class Registry:
         # one patch instead.
         for other in self.patches.values():
             if (other is not patch and other.target == patch.target
+                    and other.per_instance == patch.per_instance
                     and set(other.versions) & set(patch.versions)):
                 raise ValueError(
                     f"patches {other.name!r} and {patch.name!r} both replace "
@@ -256,6 +288,23 @@ def version_series(version: str) -> str:
         return f"{release[0]}.{release[1]}"
     except Exception:
         return version
+
+
+def resolve_target(target: str) -> Any:
+    """The object at "module.path:Owner.attr" (LookupError if absent)."""
+    module_name, _, path = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise LookupError(f"module {module_name} not importable: {exc}") from exc
+    for part in path.split("."):
+        if part in getattr(obj, "__dict__", {}):
+            obj = obj.__dict__[part]  # keeps staticmethod / classmethod
+        elif hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            raise LookupError(f"{target} does not exist")
+    return obj
 
 
 def _resolve(patch: Patch) -> tuple[Any, str, Any, bool]:
@@ -301,21 +350,30 @@ def _signature_of(obj: Any) -> tuple[str, ...] | None:
         return None
 
 
-def _unenforced(outcome: Outcome, settings: envs.Settings) -> Outcome:
-    patch = outcome.patch
-    what = GUARANTEES.get(patch.guarantee, patch.guarantee)
-    msg = (
-        f"vllm_patch: patch {patch.name} NOT applied ({outcome.state.value}"
-        f"{': ' + outcome.detail if outcome.detail else ''}); "
-        f"{patch.guarantee} ({what}) is NOT enforced on vLLM {vllm_version()}"
-    )
-    if settings.strict and outcome.state not in (State.DISABLED, State.SKIPPED_BY_USER):
-        raise PatchError(msg + " [VLLM_PATCH_STRICT=1]")
-    key = (patch.name, outcome.state.value, outcome.detail)
-    if key not in REGISTRY.warned:
-        REGISTRY.warned.add(key)
-        logger.warning(msg)
-    return outcome
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def check_pins(patch: Patch, series: str) -> tuple[list[str], list[str]]:
+    """(blocking, tolerated): descriptions of the pins of `patch` whose vLLM
+    source differs from the audited one on `series` (tolerated: the patch
+    has a fallback implementation for it)."""
+    blocking: list[str] = []
+    tolerated: list[str] = []
+    for pin in patch.pins:
+        want = pin.digests.get(series)
+        if want is None:
+            continue
+        try:
+            found = source_digest(resolve_target(pin.target))
+        except LookupError as exc:
+            found, why = None, str(exc)
+        else:
+            why = "no source" if found is None else f"source {found}, audited {want}"
+        if found != want:
+            (tolerated if pin.fallback else blocking).append(
+                f"{pin.target} ({why}; relied on: {pin.relies_on})")
+    return blocking, tolerated
 
 
 def disabled(patch: Patch, settings: envs.Settings) -> bool:
@@ -326,104 +384,260 @@ def disabled(patch: Patch, settings: envs.Settings) -> bool:
     return settings.disable and patch.guarantee != "test-only"
 
 
-def apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
-    wanted = not (
-        disabled(patch, settings)
-        or (patch.enabled is not None and not patch.enabled(settings))
-        or patch.name in settings.skip
-    )
-    previous = REGISTRY.outcomes.get(patch.name)
-    if previous is not None and previous.state is State.APPLIED:
-        current = getattr(previous.owner, previous.attr, None)
-        if getattr(current, NAME_ATTR, None) == patch.name:
-            if wanted:
-                return previous  # idempotent: already in place
-            # Switched off since it was applied: stock again, as reported.
-            revert_patch(patch.name)
-
+def _wanted(patch: Patch, settings: envs.Settings) -> State | None:
+    """None if the patch should be applied, else the state that says why not."""
     if disabled(patch, settings):
-        outcome = Outcome(patch, State.DISABLED)
-    elif patch.enabled is not None and not patch.enabled(settings):
+        return State.DISABLED
+    if patch.enabled is not None and not patch.enabled(settings):
         # Under VLLM_PATCH_DISABLE=1 everything not applied reads "disabled".
-        outcome = Outcome(patch, State.DISABLED if settings.disable else State.OFF)
-    elif patch.name in settings.skip:
-        outcome = _unenforced(Outcome(patch, State.SKIPPED_BY_USER), settings)
-    else:
-        outcome = _verify_and_apply(patch, settings)
+        return State.DISABLED if settings.disable else State.OFF
+    if patch.name in settings.skip:
+        return State.SKIPPED_BY_USER
+    return None
+
+
+def apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
+    """Apply one patch (idempotent). Never raises: any exception is the
+    outcome's ERROR state."""
+    try:
+        outcome = _apply_patch(patch, settings)
+    except Exception as exc:  # noqa: BLE001 - a patch must never stop vLLM
+        outcome = Outcome(patch, State.ERROR, _error_text(exc))
     REGISTRY.outcomes[patch.name] = outcome
     return outcome
 
 
-def _verify_and_apply(patch: Patch, settings: envs.Settings) -> Outcome:
+def _apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
+    unwanted = _wanted(patch, settings)
+    previous = REGISTRY.outcomes.get(patch.name)
+    if previous is not None and previous.state is State.APPLIED:
+        if _in_place(previous):
+            if unwanted is None:
+                return previous  # idempotent: already in place
+        # Switched off since it was applied, or replaced behind our back:
+        # stock again, as reported.
+        revert_patch(patch.name)
+    if unwanted is not None:
+        return Outcome(patch, unwanted)
+    return _verify_and_apply(patch)
+
+
+def _in_place(outcome: Outcome) -> bool:
+    patch = outcome.patch
+    if patch.per_instance:
+        return True
+    current = getattr(outcome.owner, outcome.attr, None)
+    return getattr(current, NAME_ATTR, None) == patch.name
+
+
+def _verify_and_apply(patch: Patch) -> Outcome:
     version = vllm_version()
     series = version_series(version)
     if series not in KNOWN_SERIES:
-        return _unenforced(
-            Outcome(patch, State.UNKNOWN_VERSION,
-                    f"{version}; known series: {', '.join(KNOWN_SERIES)}"),
-            settings,
-        )
+        return Outcome(patch, State.UNKNOWN_VERSION,
+                       f"{version}; known series: {', '.join(KNOWN_SERIES)}")
     if series not in patch.versions:
         return Outcome(patch, State.NOT_APPLICABLE, f"vLLM {series}")
     try:
         owner, attr, original, own = _resolve(patch)
     except LookupError as exc:
-        return _unenforced(Outcome(patch, State.TARGET_MISSING, str(exc)), settings)
+        return Outcome(patch, State.TARGET_MISSING, str(exc))
 
-    if getattr(_tag_holder(original), NAME_ATTR, None) == patch.name:
+    if not patch.per_instance and \
+            getattr(_tag_holder(original), NAME_ATTR, None) == patch.name:
         # Applied by an earlier registry instance (e.g. module reloaded).
         # `own` is True now that the replacement is in place; the tag says
         # whether the original was the owner's own or inherited.
         holder = _tag_holder(original)
         return Outcome(patch, State.APPLIED, "already applied", owner, attr,
                        getattr(holder, HAD_OWN_ATTR, own),
-                       getattr(holder, ORIGINAL_ATTR))
+                       getattr(holder, ORIGINAL_ATTR),
+                       impl=getattr(holder, IMPL_ATTR, "wrapper"))
 
     found = _signature_of(original)
     if not patch.new_attribute and found != patch.signature:
-        return _unenforced(
-            Outcome(patch, State.SIGNATURE_MISMATCH,
-                    f"expected {patch.signature}, found {found}"),
-            settings,
-        )
+        return Outcome(patch, State.SIGNATURE_MISMATCH,
+                       f"expected {patch.signature}, found {found}")
+    blocking, tolerated = check_pins(patch, series)
+    if blocking:
+        return Outcome(patch, State.SOURCE_DRIFT, "; ".join(blocking))
+    drift = "; ".join(tolerated)
 
+    if patch.per_instance:
+        # Armed: wrap_instance() installs it on the objects it is given.
+        return Outcome(patch, State.APPLIED, "", owner, attr, own, original,
+                       impl="per-object wrapper", drift=drift)
     replacement = patch.make(original)
     holder = _tag_holder(replacement)
+    impl = getattr(holder, IMPL_ATTR, None) or (
+        "added attribute" if patch.new_attribute else "wrapper")
     if callable(holder) and not isinstance(holder, type):
         if inspect.isfunction(_tag_holder(original)) and inspect.isfunction(holder):
+            # Keep the replacement's own IMPL_ATTR: update_wrapper copies
+            # the original's __dict__ over it.
             functools.update_wrapper(holder, _tag_holder(original))
+            setattr(holder, IMPL_ATTR, impl)
         setattr(holder, NAME_ATTR, patch.name)
         setattr(holder, ORIGINAL_ATTR, original)
         setattr(holder, HAD_OWN_ATTR, own)
     setattr(owner, attr, replacement)
     logger.debug("vllm_patch: applied %s to %s", patch.name, patch.target)
-    return Outcome(patch, State.APPLIED, "", owner, attr, own, original)
+    return Outcome(patch, State.APPLIED, "", owner, attr, own, original,
+                   impl=impl, drift=drift)
+
+
+def wrap_instance(name: str, obj: Any, *context: Any, force: bool = False) -> bool:
+    """Install per-object patch `name` on `obj`: `obj.<attr>` becomes
+    `make(obj.<attr>, *context)` (an instance attribute). Only while the
+    patch is applied (armed), unless `force` (test tooling that instruments
+    an object explicitly, e.g. in a stock run). Idempotent; the object is
+    remembered (weakly) so revert removes the wrap. Returns whether `obj`
+    carries the wrap."""
+    patch = REGISTRY.patches.get(name)
+    if patch is None or not patch.per_instance:
+        raise KeyError(f"no per-object patch named {name!r}")
+    outcome = REGISTRY.outcomes.get(name)
+    if not force and (outcome is None or outcome.state is not State.APPLIED):
+        return False
+    attr = patch.attr_path[-1]
+    d = getattr(obj, "__dict__", None)
+    if d is None:
+        return False
+    if getattr(d.get(attr), NAME_ATTR, None) == name:
+        return True
+    replacement = patch.make(getattr(obj, attr), *context)
+    setattr(replacement, NAME_ATTR, name)
+    d[attr] = replacement
+    refs = REGISTRY.instances.setdefault(name, [])
+    refs[:] = [r for r in refs if r() is not None]
+    refs.append(weakref.ref(obj))
+    return True
+
+
+def _unwrap_instances(name: str, attr: str) -> None:
+    for ref in REGISTRY.instances.pop(name, []):
+        obj = ref()
+        d = getattr(obj, "__dict__", None)
+        if d is not None and getattr(d.get(attr), NAME_ATTR, None) == name:
+            del d[attr]
 
 
 def revert_patch(name: str) -> None:
     outcome = REGISTRY.outcomes.get(name)
+    patch = REGISTRY.patches.get(name) or (outcome.patch if outcome else None)
+    if patch is not None and patch.per_instance:
+        _unwrap_instances(name, patch.attr_path[-1])
     if outcome is None or outcome.state is not State.APPLIED:
         return
-    current = getattr(outcome.owner, outcome.attr, None)
-    if getattr(current, NAME_ATTR, None) == name:
+    if not outcome.patch.per_instance and _in_place(outcome):
         if outcome.had_own_attr:
             setattr(outcome.owner, outcome.attr, outcome.original)
         else:
             delattr(outcome.owner, outcome.attr)
+        if outcome.patch.undo is not None:
+            outcome.patch.undo()
     del REGISTRY.outcomes[name]
 
 
 def revert_all() -> None:
-    for name in list(REGISTRY.outcomes):
+    for name in list(REGISTRY.outcomes) + list(REGISTRY.instances):
         revert_patch(name)
 
 
+def _warn_once(msg: str) -> None:
+    if msg not in REGISTRY.warned:
+        REGISTRY.warned.add(msg)
+        logger.warning(msg)
+
+
+def _failures(gid: str) -> list[str]:
+    """Why guarantee `gid` cannot be enforced (empty: nothing failed)."""
+    reasons: dict[str, list[str]] = {}
+    for o in REGISTRY.outcomes.values():
+        if o.patch.guarantee == gid and o.patch.required and \
+                o.state in FAILED_STATES:
+            why = o.state.value + (f": {o.detail}" if o.detail else "")
+            reasons.setdefault(why, []).append(o.patch.name)
+    out = [f"{', '.join(names)} NOT applied ({why})"
+           for why, names in reasons.items()]
+    out += [f"patch module {mod} failed to import ({err})"
+            for mod, (gids, err) in REGISTRY.module_errors.items() if gid in gids]
+    return out
+
+
 def apply_all(settings: envs.Settings) -> list[Outcome]:
-    return [apply_patch(p, settings) for p in REGISTRY.patches.values()]
+    """Apply every registered patch, then enforce all-or-nothing per
+    guarantee: when a required patch of a guarantee failed, its applied
+    patches are withdrawn. Logs one line per unenforced guarantee; under
+    VLLM_PATCH_STRICT=1 raises PatchError instead (after withdrawing)."""
+    for patch in REGISTRY.patches.values():
+        apply_patch(patch, settings)
+    unenforced: list[str] = []
+    version = vllm_version()
+    for gid, text in GUARANTEES.items():
+        failures = _failures(gid)
+        if failures:
+            for o in list(REGISTRY.outcomes.values()):
+                if o.patch.guarantee == gid and o.state is State.APPLIED:
+                    revert_patch(o.patch.name)
+                    REGISTRY.outcomes[o.patch.name] = Outcome(
+                        o.patch, State.WITHDRAWN, "; ".join(failures))
+            msg = (f"vllm_patch: {gid} ({text}) is NOT enforced on vLLM "
+                   f"{version}: {'; '.join(failures)}")
+            unenforced.append(msg)
+            if not settings.strict:
+                _warn_once(msg)
+        skipped = [o.patch.name for o in REGISTRY.outcomes.values()
+                   if o.patch.guarantee == gid and o.state is State.SKIPPED_BY_USER]
+        if skipped and not failures:
+            _warn_once(f"vllm_patch: {gid} ({text}) is only partly enforced on "
+                       f"vLLM {version}: {', '.join(skipped)} NOT applied "
+                       f"(skipped by VLLM_PATCH_SKIP)")
+    others = [o for o in REGISTRY.outcomes.values()
+              if o.patch.guarantee in NON_GUARANTEE_IDS and o.state in FAILED_STATES]
+    for o in others:
+        msg = (f"vllm_patch: {o.patch.guarantee} patch {o.patch.name} NOT applied "
+               f"({o.state.value}{': ' + o.detail if o.detail else ''})")
+        unenforced.append(msg)
+        if not settings.strict:
+            _warn_once(msg)
+    if settings.strict and unenforced and not settings.disable:
+        raise PatchError(" | ".join(unenforced) + " [VLLM_PATCH_STRICT=1: "
+                         "vLLM does not start while a guarantee is not enforced]")
+    return list(REGISTRY.outcomes.values())
 
 
-def guarantee_table() -> list[dict[str, Any]]:
-    """One row per guarantee: native / patched / not enforced, with patches."""
+def impl_summary(gid: str) -> str:
+    """Which implementation of guarantee `gid` is live, in a few words."""
+    if gid != "G2":
+        return ""
+    o = REGISTRY.outcomes.get("g2-accept-once")
+    if o is not None and o.state is not State.APPLIED and \
+            any(x.patch.guarantee == "G2" and x.state is State.APPLIED
+                for x in REGISTRY.outcomes.values()):
+        return ("the grammar is walked twice per step (validate-only "
+                "fallback: g2-accept-once is not applied)")
+    return ""
+
+
+def switched_off(gid: str, settings: envs.Settings) -> str:
+    """What an environment switch turns off in guarantee `gid` ('' if none)."""
+    if not settings.stop_on_grammar_termination:
+        if gid == "G2":
+            return ("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0: grammar "
+                    "termination is not a stop condition, tokens after the "
+                    "grammar's end are committed as in stock vLLM (a rejected "
+                    "token still finishes the request with only the valid "
+                    "prefix emitted)")
+        if gid == "G3":
+            return ("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0: drafting goes "
+                    "on after the grammar's end (the draft skip is off)")
+    return ""
+
+
+def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any]]:
+    """One row per guarantee: native / patched / partial / not enforced."""
+    settings = settings or envs.settings()
     rows = []
     for gid, text in GUARANTEES.items():
         patches = [p for p in REGISTRY.patches.values() if p.guarantee == gid]
@@ -432,30 +646,45 @@ def guarantee_table() -> list[dict[str, Any]]:
             for p in patches
         ]
         needed = [o for o in outcomes if o.state is not State.NOT_APPLICABLE]
-        if not patches:
+        failures = _failures(gid)
+        partial: list[str] = []
+        if failures:
+            status, reason = "not enforced", "; ".join(failures)
+        elif not patches:
             status = "not enforced"
             reason = "no patch for this guarantee in this vllm_patch version"
         elif not needed:
             status = "native"
             reason = "every patch for it is unneeded on this vLLM version"
-        elif all(o.state is State.APPLIED for o in needed):
-            status = "patched"
-            reason = ""
-        else:
+        elif not any(o.state is State.APPLIED for o in needed if o.patch.required):
             status = "not enforced"
-            reason = "; ".join(
-                f"{o.patch.name}: {o.state.value}" for o in needed
-                if o.state is not State.APPLIED
-            )
+            reason = "; ".join(sorted({o.state.value for o in needed}))
+        else:
+            missing = [o for o in needed if o.state is not State.APPLIED
+                       and o.patch.required]
+            partial = [f"{o.patch.name}: {o.state.value}" for o in missing]
+            off = switched_off(gid, settings)
+            if off:
+                partial.append(off)
+            status = "partial" if partial else "patched"
+            reason = "; ".join(partial)
         rows.append({
             "guarantee": gid,
             "text": text,
             "status": status,
             "reason": reason,
+            "implementation": impl_summary(gid),
             "limits": list(KNOWN_LIMITS.get(gid, ())) if status != "not enforced" else [],
-            "patches": [
-                {**o.patch.record(), "state": o.state.value, "detail": o.detail}
-                for o in outcomes
-            ],
+            "patches": [patch_row(o) for o in outcomes],
         })
     return rows
+
+
+def patch_row(o: Outcome) -> dict[str, Any]:
+    row = {**o.patch.record(), "state": o.state.value, "detail": o.detail,
+           "implementation": o.impl if o.state is State.APPLIED else "",
+           "source_drift": o.drift}
+    if o.patch.per_instance:
+        row["objects"] = sum(1 for r in REGISTRY.instances.get(o.patch.name, ())
+                             if r() is not None)
+    return row

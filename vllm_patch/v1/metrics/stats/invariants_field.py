@@ -37,8 +37,7 @@ def _make_field(original: Any) -> Any:
     must stay a plain dict, so it is extended in place) and its
     annotations; the field then crosses the engine-core / frontend
     boundary like any SchedulerStats field. Reverting removes the class
-    attribute; the field entry stays behind, inert (msgspec skips a field
-    an instance does not have)."""
+    attribute, then `_remove_field` the field entry and annotation."""
     import dataclasses
 
     from vllm.v1.metrics.stats import SchedulerStats
@@ -62,6 +61,17 @@ def _make_field(original: Any) -> Any:
     return value
 
 
+def _remove_field() -> None:
+    """Undo of `_make_field`'s dataclass extension (after the registry has
+    removed the class attribute)."""
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    SchedulerStats.__dataclass_fields__.pop(INVARIANT_FIELD, None)
+    ann = SchedulerStats.__dict__.get("__annotations__")
+    if ann is not None:
+        ann.pop(INVARIANT_FIELD, None)
+
+
 def _invariants_enabled(s) -> bool:
     return s.check_invariants and not s.disable
 
@@ -75,6 +85,7 @@ PATCHES: list[Patch] = [
         signature=(),
         make=_make_field,
         new_attribute=True,
+        undo=_remove_field,
         why=("the invariant checker runs in the engine core; its Prometheus "
              "counter must be visible on the frontend's /metrics when the "
              "engine core is a separate process"),

@@ -28,8 +28,8 @@ Patched, for a request that carries `kv_transfer_params.do_remote_prefill`
    both are done, and a compile failure is reported by stock code
    (FINISHED_ERROR, blocks freed by `_free_request`).
 
-Safety net (per-scheduler wrap of the connector's `update_state_after_alloc`,
-no registry patch: `schedule()` already carries g1-gate-schedule): a marked
+Safety net (the connector's `update_state_after_alloc`, wrapped per object
+with the lookup: vllm_patch.distributed.kv_transfer.kv_connector.v1.base): a marked
 request that stock code schedules without the async load (a path that
 cleared `load_kv_async` after the lookup) blocks on its grammar future
 before the step's bitmask is built.
@@ -46,7 +46,7 @@ from typing import Any
 from vllm_patch.distributed.kv_transfer.kv_connector.v1.base import (
     MARK,
     _stats,
-    _wrap_connector,
+    wrap_connector,
 )
 from vllm_patch.patching import Patch
 
@@ -97,9 +97,9 @@ def _make_handle_blocked(original):
                 and request.num_computed_tokens == 0
                 and _wants_remote_prefill(request)
                 and _grammar_state(request) == "pending"):
-            _wrap_connector(self, self.connector)
-            setattr(request, MARK, "lookup")
-            return True  # status stays WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            if wrap_connector(self, self.connector):
+                setattr(request, MARK, "lookup")
+                return True  # status stays WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
         ok = original(self, request)
         if (ok and mark == "loading"
                 and request.status in (RS.WAITING, RS.PREEMPTED)

@@ -68,6 +68,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from vllm_patch import patching as registry
 from vllm_patch.patching import Patch
 
 logger = logging.getLogger("vllm_patch")
@@ -594,10 +595,12 @@ def _snapshot(self: Any, scheduler_output: Any) -> dict[str, Any]:
 # on top of the checker: two G1 FIFO entries per step). Each wrapper looks
 # the class method up at call time, so later class patches / reverts apply,
 # and never runs twice for one call (re-entrancy guard).
-_WRAPPED = "_vllm_patch_invariant_wrapped"
+UPDATE_OBSERVER = "invariants-observe-update"
+LAUNCH_OBSERVER = "invariants-observe-launch"
+FREE_OBSERVER = "invariants-observe-free"
 
 
-def _update_wrapper(scheduler: Any) -> Any:
+def _update_wrapper(_original: Any, scheduler: Any) -> Any:
     def update_from_output(scheduler_output, model_runner_output):
         c = checker(scheduler)
         method = type(scheduler).update_from_output
@@ -622,7 +625,7 @@ def _update_wrapper(scheduler: Any) -> Any:
     return update_from_output
 
 
-def _track_wrapper(scheduler: Any) -> Any:
+def _track_wrapper(_original: Any, scheduler: Any) -> Any:
     def _update_after_schedule(scheduler_output):
         c = checker(scheduler)
         method = type(scheduler)._update_after_schedule  # noqa: SLF001
@@ -638,7 +641,7 @@ def _track_wrapper(scheduler: Any) -> Any:
     return _update_after_schedule
 
 
-def _free_wrapper(scheduler: Any, pool: Any) -> Any:
+def _free_wrapper(_original: Any, scheduler: Any, pool: Any) -> Any:
     def free_blocks(ordered_blocks, *args, **kwargs):
         blocks = list(ordered_blocks)
         c = checker(scheduler)
@@ -654,26 +657,25 @@ def _free_wrapper(scheduler: Any, pool: Any) -> Any:
     return free_blocks
 
 
-def instrument(scheduler: Any) -> Checker:
-    """Check one scheduler instance (instance attributes; idempotent).
-    `invariants-check` calls it at the end of every `Scheduler.__init__`."""
+def instrument(scheduler: Any, force: bool = True) -> Checker:
+    """Check one scheduler instance through per-object registry patches
+    (idempotent). `invariants-check` calls it at the end of every
+    `Scheduler.__init__` (force=False: only the observers that applied);
+    test tooling calls it directly, also in a stock run (force=True)."""
     c = checker(scheduler)
-    d = scheduler.__dict__
-    if not d.get(_WRAPPED):
-        d["update_from_output"] = _update_wrapper(scheduler)
-        d["_update_after_schedule"] = _track_wrapper(scheduler)
-        pool = getattr(getattr(scheduler, "kv_cache_manager", None),
-                       "block_pool", None)
-        if pool is not None and "free_blocks" not in pool.__dict__:
-            pool.__dict__["free_blocks"] = _free_wrapper(scheduler, pool)
-        d[_WRAPPED] = True
+    registry.wrap_instance(UPDATE_OBSERVER, scheduler, scheduler, force=force)
+    registry.wrap_instance(LAUNCH_OBSERVER, scheduler, scheduler, force=force)
+    pool = getattr(getattr(scheduler, "kv_cache_manager", None),
+                   "block_pool", None)
+    if pool is not None:
+        registry.wrap_instance(FREE_OBSERVER, pool, scheduler, pool, force=force)
     return c
 
 
 def _make_init(original: Any) -> Any:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        instrument(self)
+        instrument(self, force=False)
 
     return __init__
 
@@ -704,6 +706,40 @@ PATCHES: list[Patch] = [
             "check counters, placeholders, a shadow grammar over the "
             "committed output, logprob rows, blocks of finished requests "
             "and, at idle, the block pool",
+        **_COMMON,
+    ),
+    Patch(
+        name=UPDATE_OBSERVER,
+        target=_SCHED + "update_from_output",
+        signature=("self", "scheduler_output", "model_runner_output"),
+        make=_update_wrapper,
+        per_instance=True,
+        why="the checks run after every processed step",
+        how="per scheduler object: call the class method (looked up at call "
+            "time, so G1's class patch and its revert stay in charge), then "
+            "check the invariants on the requests of the step",
+        **_COMMON,
+    ),
+    Patch(
+        name=LAUNCH_OBSERVER,
+        target=_SCHED + "_update_after_schedule",
+        signature=("self", "scheduler_output"),
+        make=_track_wrapper,
+        per_instance=True,
+        why="the checks need the steps launched and not yet processed",
+        how="per scheduler object: after the class method, count the "
+            "request ids of the launched step",
+        **_COMMON,
+    ),
+    Patch(
+        name=FREE_OBSERVER,
+        target="vllm.v1.core.block_pool:BlockPool.free_blocks",
+        signature=("self", "ordered_blocks"),
+        make=_free_wrapper,
+        per_instance=True,
+        why="double frees are caught when they happen",
+        how="per block-pool object of an instrumented scheduler: record the "
+            "blocks freed, then call the class method",
         **_COMMON,
     ),
 ]
