@@ -431,3 +431,176 @@ def test_two_patches_on_one_attribute_are_refused():
     reg.add(Patch(name="b", versions=("0.33",), **common))  # other series: fine
     with pytest.raises(ValueError, match="both replace"):
         reg.add(Patch(name="c", versions=("0.33",), **common))
+
+
+# -- all-or-nothing, error isolation, pins, per-object patches -----------------
+
+def test_failed_patch_withdraws_its_guarantee(registry, warnings_seen):
+    """A patch release changed one target's signature: the guarantee's other
+    patches do not stay applied, and one line names the failing patch."""
+    registry.add(make_patch())  # G1, applies
+    registry.add(make_patch(name="test-changed",
+                            target="vllm.outputs:EmbeddingRequestOutput.__repr__",
+                            signature=("self", "extra")))
+    registry.add(make_patch(name="test-g3", guarantee="G3",
+                            target="vllm.outputs:EmbeddingOutput.from_base",
+                            signature=("pooling_output",),
+                            make=lambda original: original))
+    vllm_patch.register()
+    assert outcome("test-changed").state is State.SIGNATURE_MISMATCH
+    assert outcome("test-own").state is State.WITHDRAWN
+    assert "test-changed" in outcome("test-own").detail
+    assert vars(OWN)["__repr__"] is ORIGINALS[(OWN, "__repr__")]
+    assert outcome("test-g3").state is State.APPLIED  # other guarantees stay
+    rows = {r["guarantee"]: r for r in patching.guarantee_table()}
+    assert rows["G1"]["status"] == "not enforced"
+    assert "test-changed" in rows["G1"]["reason"]
+    assert rows["G3"]["status"] == "patched"
+    g1_lines = [r.getMessage() for r in warnings_seen if "G1 (" in r.getMessage()]
+    assert len(g1_lines) == 1 and "signature differs" in g1_lines[0], g1_lines
+    vllm_patch.register()  # idempotent: still withdrawn, no second line
+    assert outcome("test-own").state is State.WITHDRAWN
+    assert len([r for r in warnings_seen if "G1 (" in r.getMessage()]) == 1
+
+
+def _raising_make(original):
+    raise RuntimeError("boom in make")
+
+
+def test_raising_patch_is_contained(registry, monkeypatch, warnings_seen):
+    registry.add(make_patch(make=_raising_make))
+    registry.add(make_patch(name="test-inh",
+                            target="vllm.outputs:EmbeddingRequestOutput.__repr__"))
+    vllm_patch.register()  # vLLM starts: nothing raised
+    assert outcome("test-own").state is State.ERROR
+    assert outcome("test-own").detail == "RuntimeError: boom in make"
+    assert outcome("test-inh").state is State.WITHDRAWN
+    assert_pristine()
+    row = patching.guarantee_table()[0]
+    assert row["status"] == "not enforced" and "boom in make" in row["reason"]
+    assert any("boom in make" in r.getMessage() for r in warnings_seen)
+    registry.outcomes.clear()
+    monkeypatch.setenv("VLLM_PATCH_STRICT", "1")
+    with pytest.raises(PatchError, match=r"G1 .*boom in make.*STRICT"):
+        vllm_patch.register()
+    assert_pristine()
+
+
+def test_patch_module_import_error_is_contained(registry, monkeypatch, tmp_path):
+    (tmp_path / "vllm_patch_test_broken.py").write_text("raise ImportError('gone')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(vllm_patch, "PATCH_MODULES",
+                        {"vllm_patch_test_broken": ("G1",)})
+    registry.add(make_patch())
+    vllm_patch.register()
+    assert outcome("test-own").state is State.WITHDRAWN
+    assert_pristine()
+    row = patching.guarantee_table()[0]
+    assert row["status"] == "not enforced"
+    assert "vllm_patch_test_broken failed to import (ImportError: gone)" in row["reason"]
+    monkeypatch.setenv("VLLM_PATCH_STRICT", "1")
+    with pytest.raises(PatchError, match="vllm_patch_test_broken"):
+        vllm_patch.register()
+
+
+def test_optional_patch_failure_keeps_guarantee(registry):
+    registry.add(make_patch())
+    registry.add(make_patch(name="test-optional", required=False,
+                            target="vllm.outputs:EmbeddingRequestOutput.__repr__",
+                            signature=("self", "extra")))
+    vllm_patch.register()
+    assert outcome("test-own").state is State.APPLIED
+    assert outcome("test-optional").state is State.SIGNATURE_MISMATCH
+    assert patching.guarantee_table()[0]["status"] == "patched"
+
+
+def test_user_skip_is_partial_not_withdrawn(registry, monkeypatch):
+    monkeypatch.setenv("VLLM_PATCH_SKIP", "test-own")
+    registry.add(make_patch())
+    registry.add(make_patch(name="test-inh",
+                            target="vllm.outputs:EmbeddingRequestOutput.__repr__"))
+    vllm_patch.register()
+    assert outcome("test-inh").state is State.APPLIED
+    row = patching.guarantee_table()[0]
+    assert row["status"] == "partial" and "test-own" in row["reason"]
+
+
+def _pin(digest: str, fallback: bool = False) -> patching.Pin:
+    return patching.Pin(target="vllm.outputs:PoolingRequestOutput.__init__",
+                        digests={SERIES: digest}, relies_on="test",
+                        fallback=fallback)
+
+
+def test_pin_drift_blocks_the_patch(registry):
+    real = patching.source_digest(vars(OWN)["__init__"])
+    registry.add(make_patch(pins=(_pin(real),)))
+    vllm_patch.register()
+    assert outcome("test-own").state is State.APPLIED
+    patching.revert_all()
+    registry.patches.clear()
+    registry.add(make_patch(pins=(_pin("0" * 16),)))
+    vllm_patch.register()
+    assert outcome("test-own").state is State.SOURCE_DRIFT
+    assert "PoolingRequestOutput.__init__" in outcome("test-own").detail
+    assert_pristine()
+    assert patching.guarantee_table()[0]["status"] == "not enforced"
+
+
+def test_pin_drift_with_fallback_applies_and_says_so(registry):
+    registry.add(make_patch(pins=(_pin("0" * 16, fallback=True),)))
+    vllm_patch.register()
+    assert outcome("test-own").state is State.APPLIED
+    row = patching.guarantee_table()[0]["patches"][0]
+    assert "PoolingRequestOutput.__init__" in row["source_drift"]
+    assert row["defined_in"] == __name__
+
+
+def test_per_object_patch_listed_and_reverted(registry):
+    def make(original, tag):
+        assert original.__self__ is obj  # the object's own bound attribute
+        return lambda: f"{tag}:wrapped"
+
+    registry.add(make_patch(name="test-object", per_instance=True,
+                            target="vllm.outputs:PoolingRequestOutput.__repr__",
+                            make=make))
+    obj = OWN.__new__(OWN)
+    assert patching.wrap_instance("test-object", obj, "x") is False  # not armed
+    vllm_patch.register()
+    assert_pristine()  # the class is untouched
+    assert patching.wrap_instance("test-object", obj, "x") is True
+    assert patching.wrap_instance("test-object", obj, "y") is True  # idempotent
+    assert obj.__dict__["__repr__"]() == "x:wrapped"
+    row = patching.guarantee_table()[0]["patches"][0]
+    assert row["objects"] == 1 and row["implementation"] == "per-object wrapper"
+    patching.revert_all()
+    assert "__repr__" not in obj.__dict__
+
+
+def test_undo_runs_on_revert(registry):
+    undone: list[bool] = []
+    registry.add(make_patch(undo=lambda: undone.append(True)))
+    vllm_patch.register()
+    patching.revert_all()
+    assert undone == [True]
+
+
+def test_unknown_version_one_line_per_guarantee(registry, monkeypatch, warnings_seen):
+    _unknown_version(monkeypatch)
+    for i in range(3):
+        registry.add(make_patch(name=f"test-{i}", target=(
+            "vllm.outputs:PoolingRequestOutput.__repr__" if i == 0 else
+            "vllm.outputs:EmbeddingRequestOutput.__repr__"),
+            versions=("0.32",) if i == 1 else ("0.33",) if i == 2 else ("0.32", "0.33")))
+    vllm_patch.register()
+    lines = [r.getMessage() for r in warnings_seen]
+    assert len(lines) == 1, lines
+    assert "test-0, test-1, test-2 NOT applied" in lines[0]
+
+
+def test_status_reflects_stop_switch(registry, monkeypatch):
+    monkeypatch.setenv("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", "0")
+    registry.add(make_patch(name="test-g2", guarantee="G2"))
+    vllm_patch.register()
+    row = {r["guarantee"]: r for r in patching.guarantee_table()}["G2"]
+    assert row["status"] == "partial"
+    assert "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0" in row["reason"]

@@ -12,10 +12,10 @@ def _status(args: argparse.Namespace) -> int:
     from vllm_patch import envs, patching
 
     vllm_patch.register()
-    rows = patching.guarantee_table()
     settings = envs.settings()
+    rows = patching.guarantee_table(settings)
     others = [
-        {**o.patch.record(), "state": o.state.value, "detail": o.detail}
+        patching.patch_row(o)
         for o in patching.REGISTRY.outcomes.values()
         if o.patch.guarantee in patching.NON_GUARANTEE_IDS
     ]
@@ -24,8 +24,11 @@ def _status(args: argparse.Namespace) -> int:
         "vllm": patching.vllm_version(),
         "disabled": settings.disable,
         "strict": settings.strict,
+        "strict_runtime": settings.strict_runtime,
         "guarantees": rows,
         "other_patches": others,
+        "module_errors": {m: err for m, (_, err)
+                          in patching.REGISTRY.module_errors.items()},
     }
     if args.json:
         json.dump(report, sys.stdout, indent=2)
@@ -38,18 +41,37 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{row['guarantee']:<4} {row['status']:<13} {row['text']}")
         if row["reason"]:
             print(f"{'':<18}({row['reason']})")
+        if row["implementation"]:
+            print(f"{'':<18}implementation: {row['implementation']}")
         for limit in row.get("limits", ()):
             print(f"{'':<18}limit: {limit}")
         for p in row["patches"]:
-            print(f"{'':<18}- {p['name']}: {p['state']}"
-                  + (f" ({p['detail']})" if p["detail"] else ""))
-            if args.verbose:
-                for key in ("target", "versions", "why", "how", "upstream",
-                            "remove_when"):
-                    print(f"{'':<22}{key}: {p[key]}")
+            _print_patch(p, args.verbose)
     for p in others:
-        print(f"[{p['guarantee']}] {p['name']}: {p['state']}")
+        _print_patch(p, args.verbose, prefix=f"[{p['guarantee']}] ")
+    for module, err in report["module_errors"].items():
+        print(f"patch module {module} failed to import: {err}")
     return 0
+
+
+def _print_patch(p: dict, verbose: bool, prefix: str = "") -> None:
+    indent = " " * 18 if not prefix else ""
+    print(f"{indent}{prefix or '- '}{p['name']}: {p['state']}"
+          + (f" ({p['detail']})" if p["detail"] else ""))
+    if not verbose:
+        return
+    pad = " " * (22 if not prefix else 4)
+    extra = {"implementation": p["implementation"] or "-",
+             "defined_in": p["defined_in"]}
+    if "objects" in p:
+        extra["objects wrapped"] = p["objects"]
+    if p["source_drift"]:
+        extra["source drift (fallback in use)"] = p["source_drift"]
+    for key, value in extra.items():
+        print(f"{pad}{key}: {value}")
+    for key in ("target", "versions", "pins", "why", "how", "upstream",
+                "remove_when"):
+        print(f"{pad}{key}: {p[key]}")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -71,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("status", help="guarantees G1-G4 on the installed vLLM")
     p.add_argument("--json", action="store_true")
     p.add_argument("-v", "--verbose", action="store_true",
-                   help="print each patch's full record")
+                   help="print each patch's full record: live implementation, "
+                   "where it is defined, its target and pinned vLLM source")
     p.set_defaults(func=_status)
     from vllm_patch.conformance import GUARANTEE_IDS, verify
 

@@ -632,6 +632,9 @@ def switched_off(gid: str, settings: envs.Settings) -> str:
         if gid == "G3":
             return ("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0: drafting goes "
                     "on after the grammar's end (the draft skip is off)")
+        if gid == "G4":
+            return ("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0: the decode "
+                    "side keeps G2 and G3 only in part (see above)")
     return ""
 
 

@@ -32,13 +32,14 @@ instance's transfer core is one of its own. Opt-in through
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
+from vllm.logger import init_logger
+
 from vllm_patch.patching import Patch
 
-logger = logging.getLogger("vllm_patch")
+logger = init_logger(__name__)
 
 
 def _make_check_and_update_config(original: Any) -> classmethod:
@@ -50,7 +51,7 @@ def _make_check_and_update_config(original: Any) -> classmethod:
         func(cls, vllm_config)
         if asked and not scheduler_config.async_scheduling:
             scheduler_config.async_scheduling = asked
-            logger.warning(
+            logger.warning_once(
                 "vllm_patch: TEST ONLY (VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING=1): "
                 "async scheduling forced back ON on the CPU platform, which "
                 "turns it off; never use this setting in production"

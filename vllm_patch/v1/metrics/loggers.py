@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm.logger import init_logger
+
 from vllm_patch.patching import Patch
+
+logger = init_logger(__name__)
 
 METRIC = "vllm_patch_invariant_violations"
 RECORD_PATCH = "invariants-prometheus-record"
@@ -38,7 +42,9 @@ def counter() -> Any:
                 METRIC, "Scheduler invariant violations found by "
                 "vllm_patch's checker (VLLM_PATCH_CHECK_INVARIANTS=1)",
                 ["invariant"])
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - metrics never break serving
+            logger.warning_once("vllm_patch: no %s counter on /metrics (%s: %s)",
+                                METRIC, type(e).__name__, str(e))
             _COUNTER = False
     return _COUNTER
 
@@ -64,8 +70,10 @@ def _make_record(original: Any) -> Any:
         if scheduler_stats is not None:
             try:
                 count(getattr(scheduler_stats, INVARIANT_FIELD, None))
-            except Exception:  # noqa: BLE001 - never break stats logging
-                pass
+            except Exception as e:  # noqa: BLE001 - never break stats logging
+                logger.warning_once(
+                    "vllm_patch: invariant violations not counted on /metrics "
+                    "(%s: %s)", type(e).__name__, str(e))
         return out
 
     return record

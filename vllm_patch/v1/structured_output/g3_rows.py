@@ -38,14 +38,14 @@ without structured output have no rows; steps without speculative tokens
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
+from vllm.logger import init_logger
 
 from vllm_patch.patching import Patch
 
-logger = logging.getLogger("vllm_patch")
+logger = init_logger(__name__)
 
 _TARGET_MODULE = "vllm.v1.structured_output"
 # Set on the manager for the duration of one patched grammar_bitmask walk:
@@ -82,6 +82,10 @@ def fill_stop_row(bitmask: Any, index: int, grammar: Any) -> None:
         pass
     # Unknown backend: the row the terminal token itself was drawn from (the
     # previous row of this request: termination happened in this walk).
+    logger.warning_once(
+        "vllm_patch: G3: grammar backend %s gives no stop-token row after its "
+        "end; the row after a terminal draft repeats the terminal's own row",
+        type(grammar).__name__)
     if index > 0:
         bitmask[index].copy_(bitmask[index - 1])
     else:  # cannot happen for an in-walk termination; never leave it empty
