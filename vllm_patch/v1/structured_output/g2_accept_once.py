@@ -21,6 +21,7 @@ twice.
 
 from __future__ import annotations
 
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 from vllm_patch.v1.core.sched.scheduler.g2_commit_cut import (
     ACCEPT_PATCH,
@@ -58,6 +59,17 @@ PATCHES: list[Patch] = [
              "other call is stock"),
         upstream=UPSTREAM,
         remove_when="the G2 scheduler patch is removed",
+        pins=(
+            pin("vllm.v1.structured_output:StructuredOutputManager.accept_tokens",
+                "returns True for a request without structured output and "
+                "latches reasoning_ended = True whenever the grammar part of "
+                "the list is non-empty: the no-op path reproduces both"),
+            pin("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+                "passes the very list object _update_request_with_output "
+                "returned to StructuredOutputManager.accept_tokens, in the "
+                "same pass (the ACCEPTED mark is keyed by that list's id); "
+                "without this patch the G2 cut validates without advancing"),
+        ),
         # G2 holds without it: g2-commit-cut then validates without
         # advancing and stock accepts afterwards (twice the grammar work).
         required=False,

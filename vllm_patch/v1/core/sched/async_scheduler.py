@@ -9,6 +9,7 @@ no override (the base method handles placeholders itself)."""
 
 from __future__ import annotations
 
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 from vllm_patch.v1.core.sched.scheduler.g2_commit_cut import STALE_ATTR, UPSTREAM
 
@@ -38,5 +39,10 @@ PATCHES: list[Patch] = [
         how="set self._vllm_patch_is_stale around the original call",
         upstream=UPSTREAM,
         remove_when="0.32 support is dropped",
+        pins=(pin("vllm.v1.core.sched.async_scheduler:"
+                  "AsyncScheduler._update_request_with_output",
+                  "calls super()._update_request_with_output(request, "
+                  "new_token_ids) without is_stale, inside this call",
+                  series=("0.32",)),),
     ),
 ]

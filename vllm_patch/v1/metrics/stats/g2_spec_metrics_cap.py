@@ -4,6 +4,7 @@ more accepted tokens than real drafts (the scheduler-level stats are capped by
 
 from __future__ import annotations
 
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 from vllm_patch.v1.core.sched.scheduler.g2_commit_cut import UPSTREAM
 
@@ -31,5 +32,8 @@ PATCHES: list[Patch] = [
         how="cap num_accepted at num_draft_tokens",
         upstream=UPSTREAM,
         remove_when="vLLM caps accepted drafts at the grammar-valid drafts",
+        pins=(pin("vllm.v1.core.sched.scheduler:Scheduler.update_from_output",
+                  "observes num_draft_tokens net of the step's "
+                  "num_invalid_spec_tokens, so the cap is the real drafts"),),
     ),
 ]

@@ -94,13 +94,20 @@ Spec-decode stats: `make_spec_decoding_stats` caps accepted at the real
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import inspect
 import logging
 from typing import Any, Callable
 
 from vllm_patch import envs
-from vllm_patch.patching import NAME_ATTR, Patch
+from vllm_patch.audited import pin
+from vllm_patch.patching import (
+    IMPL_ATTR,
+    NAME_ATTR,
+    Patch,
+    Pin,
+    source_digest,
+    version_series,
+    vllm_version,
+)
 
 logger = logging.getLogger("vllm_patch")
 
@@ -388,29 +395,46 @@ def _wrap_update(original: Callable, v032: bool) -> Callable:
     return _update_request_with_output
 
 
-# sha256[:16] of `inspect.getsource` of the stock bodies the inline
-# replacements below copy (audited against vLLM 0.32.0 / 0.33.0). Any other
-# source (a patch release that edits them, no source available) gets the
-# wrapping fallback instead: same guarantee, one call layer more per request.
-_AUDITED_UPDATE = {"0.32": "ff6e3f664c996a8f", "0.33": "093836bff0607708"}
-_AUDITED_SPEC_STATS = "7065c195b8fdde52"
+# The stock bodies the inline replacements below copy, pinned to the audited
+# source (digests in vllm_patch.audited: the one record the registry checks
+# and `_audited` reads). Any other source (a patch release that edits them,
+# no source available) gets the wrapping fallback instead: same guarantee,
+# one call layer more per request; the registry reports the drift.
+_SCHED = "vllm.v1.core.sched.scheduler:Scheduler."
+_TARGET = _SCHED + "_update_request_with_output"
+_SPEC_STATS_TARGET = _SCHED + "make_spec_decoding_stats"
+_UPDATE_PIN = pin(
+    _TARGET,
+    "the inline replacement carries this body verbatim (0.32: plus 0.33's "
+    "stop-trim rollback); on any other source the wrapper runs instead",
+    fallback=True)
+_SPEC_STATS_PIN = pin(
+    _SPEC_STATS_TARGET,
+    "the inline replacement carries this body verbatim with the cap; on any "
+    "other source the wrapper runs instead",
+    fallback=True)
 # Tests / benchmarks can set this to False to exercise the wrapping fallback.
 INLINE_AUDITED = True
-_AUDIT_CACHE: dict[tuple[Any, str], bool] = {}
+_AUDIT_CACHE: dict[tuple[Any, str | None], bool] = {}
 
 
-def _audited(fn: Callable, digest: str) -> bool:
-    """Is `fn` exactly the stock source an inline replacement copies?"""
+def _audited(fn: Callable, pin_: Pin, series: str) -> bool:
+    """Is `fn` exactly the stock source `pin_` audited for `series` (the
+    body an inline replacement copies)?"""
+    digest = pin_.digests.get(series)
     key = (getattr(fn, "__code__", None), digest)
     ok = _AUDIT_CACHE.get(key)
     if ok is None:
-        try:
-            src = inspect.getsource(fn)
-            ok = hashlib.sha256(src.encode()).hexdigest()[:16] == digest
-        except (OSError, TypeError):
-            ok = False
+        ok = digest is not None and source_digest(fn) == digest
         _AUDIT_CACHE[key] = ok
     return ok
+
+
+def _impl(fn: Callable, kind: str) -> Callable:
+    """Tag the replacement with the implementation it is ("inline" or
+    "wrapper"), for status."""
+    setattr(fn, IMPL_ATTR, kind)
+    return fn
 
 
 # The last StructuredOutputManager.accept_tokens seen to be g2-accept-once
@@ -567,9 +591,9 @@ def _make_update(series: str) -> Callable[[Callable], Callable]:
     v032 = series == "0.32"
 
     def make(original: Callable) -> Callable:
-        if INLINE_AUDITED and _audited(original, _AUDITED_UPDATE[series]):
-            return _inline_update(original, v032)
-        return _wrap_update(original, v032)
+        if INLINE_AUDITED and _audited(original, _UPDATE_PIN, series):
+            return _impl(_inline_update(original, v032), "inline")
+        return _impl(_wrap_update(original, v032), "wrapper")
 
     return make
 
@@ -602,9 +626,10 @@ def _inline_spec_stats(original: Callable) -> Callable:
 
 
 def _make_spec_stats_patch(original: Callable) -> Callable:
-    if INLINE_AUDITED and _audited(original, _AUDITED_SPEC_STATS):
-        return _inline_spec_stats(original)
-    return _make_spec_stats(original)
+    series = version_series(vllm_version())
+    if INLINE_AUDITED and _audited(original, _SPEC_STATS_PIN, series):
+        return _impl(_inline_spec_stats(original), "inline")
+    return _impl(_make_spec_stats(original), "wrapper")
 
 
 def _make_spec_stats(original):
@@ -624,7 +649,27 @@ def _make_spec_stats(original):
 
 
 _UPDATE_SIG = ("self", "request", "new_token_ids", "is_stale")
-_TARGET = "vllm.v1.core.sched.scheduler:Scheduler._update_request_with_output"
+_SO = "vllm.v1.structured_output."
+# What the cut mirrors in vLLM's grammar code (both series).
+_CUT_PINS = (
+    _UPDATE_PIN,
+    pin(_SO + "backend_xgrammar:XgrammarGrammar.accept_tokens",
+        "advance_cut and the inline body copy its accept loop (matcher"
+        ".accept_token per token, num_processed_tokens, _is_terminated from "
+        "matcher.is_terminated), stopping before a rejected token instead of "
+        "logging it"),
+    pin("vllm.v1.structured_output:StructuredOutputManager._get_constraint_bounds",
+        "advance_cut splits off the reasoning part with its uncommitted form "
+        "(as validate_tokens does) and skips the call once reasoning_ended, "
+        "its first check"),
+    pin(_SO + "backend_guidance:GuidanceGrammar.accept_tokens",
+        "a stopped llguidance matcher accepts EOS as the terminal "
+        "(_stopped_awaiting_eos mirrors it); a failed consume is sticky, so "
+        "only a validated prefix is accepted"),
+    pin(_SO + "backend_guidance:GuidanceGrammar.validate_tokens",
+        "non-advancing; returns [] for everything, EOS included, once the "
+        "matcher is stopped (_stopped_awaiting_eos)"),
+)
 _HOW = ("wrap _update_request_with_output: advance the grammar over the step's "
         "tokens (after the reasoning split) up to the terminal / before the "
         "first rejected token, before the stock append loop (stock's later "
@@ -633,6 +678,9 @@ _HOW = ("wrap _update_request_with_output: advance the grammar over the step's "
         "in place, roll back num_computed_tokens and num_output_placeholders "
         "by the dropped count, then finish the request in the same pass "
         "(FINISHED_STOPPED / FINISHED_ERROR)")
+_IMPL_HOW = ("; the replacement is an inline copy of the stock body when "
+             "vLLM's source is the audited one (pinned), else a wrapper "
+             "around it (one call layer more, same guarantee)")
 _WHY = ("stock appends, hashes, caches, emits (with logprobs) and keeps "
         "generating tokens after the grammar's terminal state when the "
         "grammar's stop set differs from check_stop's (ignore_eos, "
@@ -648,10 +696,11 @@ PATCHES: list[Patch] = [
         signature=_UPDATE_SIG,
         make=_make_update("0.33"),
         why=_WHY,
-        how=_HOW,
+        how=_HOW + _IMPL_HOW,
         upstream=UPSTREAM,
         remove_when=("vLLM treats grammar termination as a stop condition "
                      "and trims at the accepted-length decision"),
+        pins=_CUT_PINS,
     ),
     Patch(
         name="g2-commit-cut-0.32",
@@ -662,15 +711,25 @@ PATCHES: list[Patch] = [
         make=_make_update("0.32"),
         why=_WHY + "; 0.32 also leaves num_computed_tokens past a stop trim",
         how=_HOW + "; additionally rolls back num_computed_tokens (and async "
-                   "placeholders) for any stop trim, as 0.33 does",
+                   "placeholders) for any stop trim, as 0.33 does" + _IMPL_HOW,
         upstream=UPSTREAM + "; vLLM 0.33 stop-trim rollback "
                             "(scheduler.py:2758-2763)",
         remove_when="0.32 support is dropped",
+        pins=_CUT_PINS + (
+            pin("vllm.v1.core.sched.async_scheduler:"
+                "AsyncScheduler._update_request_with_output",
+                "0.32's override calls super() without is_stale (published by "
+                "g2-async-stale-passthrough-0.32), then subtracts the kept "
+                "tokens from num_output_placeholders and caches blocks up to "
+                "num_computed_tokens - placeholders: the 0.32 rollback of "
+                "trimmed tokens' placeholders keeps that cache point right",
+                series=("0.32",)),
+        ),
     ),
     Patch(
         name="g2-spec-stats-cap",
         guarantee="G2",
-        target="vllm.v1.core.sched.scheduler:Scheduler.make_spec_decoding_stats",
+        target=_SPEC_STATS_TARGET,
         versions=("0.32", "0.33"),
         signature=("self", "spec_decoding_stats", "num_draft_tokens",
                    "num_accepted_tokens", "num_invalid_spec_tokens",
@@ -678,8 +737,11 @@ PATCHES: list[Patch] = [
         make=_make_spec_stats_patch,
         why=("stock subtracts grammar-invalidated drafts from the proposed "
              "count but not from the accepted count: '2 drafts, 3 accepted'"),
-        how="cap accepted at num_draft_tokens - num_invalid_spec_tokens",
+        how=("cap accepted at num_draft_tokens - num_invalid_spec_tokens; "
+             "an inline copy of the stock body with the cap when vLLM's "
+             "source is the audited one (pinned), else a wrapper"),
         upstream=UPSTREAM,
         remove_when="vLLM caps accepted drafts at the grammar-valid drafts",
+        pins=(_SPEC_STATS_PIN,),
     ),
 ]
