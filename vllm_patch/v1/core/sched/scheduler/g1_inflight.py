@@ -505,10 +505,45 @@ _BOTH = ("0.32", "0.33")
 
 
 def _patch(name: str, attr: str, sig: tuple[str, ...], make, why: str,
-           how: str) -> Patch:
+           how: str, pins: tuple = ()) -> Patch:
     return Patch(name=name, guarantee="G1", target=_SCHED + attr, versions=_BOTH,
                  signature=("self",) + sig, make=make, why=why, how=how,
-                 upstream=_UP, remove_when=_WHEN)
+                 upstream=_UP, remove_when=_WHEN, pins=pins)
+
+
+# vLLM source G1 mirrors or relies on (digests: vllm_patch.audited).
+from vllm_patch.audited import pin  # noqa: E402
+
+_PIN_SCHEDULE = pin(
+    _SCHED + "schedule",
+    "_would_schedule copies the running loop's skip conditions (async "
+    "max_tokens placeholders, next_decode_eligible_step) and its token "
+    "count; schedule() increments current_step before that loop and skips a "
+    "running request while current_step < next_decode_eligible_step, the "
+    "field the gate overwrites for one call")
+_PIN_ASYNC_AFTER = pin(
+    "vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
+    "calls super()._update_after_schedule first and only ORs "
+    "pending_structured_output_tokens in (never clears the flag G1 sets); "
+    "writes next_decode_eligible_step only under the V2 runner (the gate "
+    "restores its own value only while unchanged)")
+_PIN_STEPS = (
+    pin("vllm.v1.engine.core:EngineCore.step",
+        "sync: schedule, then get_grammar_bitmask, then update_from_output of "
+        "that same output (nothing else in flight when the bitmask is built)"),
+    pin("vllm.v1.engine.core:EngineCore.step_with_batch_queue",
+        "each SchedulerOutput reaches update_from_output once, oldest first; "
+        "a step marked pending_structured_output_tokens gets its bitmask "
+        "(and draft validation) only after the oldest batch in the queue is "
+        "processed, which is why the async gate admits a request whose only "
+        "unapplied step is the oldest"),
+)
+_PIN_PREEMPT = pin(
+    _SCHED + "_preempt_request",
+    "drop mode (drop_stale_output=True): the in-flight output is dropped "
+    "(num_stale_output_tokens = num_in_flight_tokens, placeholders 0); "
+    "G1 reads request.drop_stale_output after it and mirrors that state for "
+    "requests it cannot preempt (not running) and after a recompute")
 
 
 PATCHES: list[Patch] = [
@@ -518,12 +553,19 @@ PATCHES: list[Patch] = [
            "steps of a request are unapplied",
            "push one FIFO entry per step with the structured requests it "
            "advances; async: mark the step pending if one of them is in the "
-           "oldest in-flight step"),
+           "oldest in-flight step",
+           pins=(pin(_SCHED + "_update_after_schedule",
+                     "sets request.is_prefill_chunk and scheduler_output"
+                     ".has_structured_output_requests for every scheduled "
+                     "request; the FIFO entry (scheduled, structured, not a "
+                     "prefill chunk) is read from them right after"),
+                 _PIN_ASYNC_AFTER) + _PIN_STEPS),
     _patch("g1-track-applied", "update_from_output",
            ("scheduler_output", "model_runner_output"),
            _make_update_from_output,
            "the FIFO entry of a processed step must go",
-           "pop the step's FIFO entry before the stock update"),
+           "pop the step's FIFO entry before the stock update",
+           pins=_PIN_STEPS),
     _patch("g1-gate-schedule", "schedule", ("throttle_prefills",),
            _make_schedule,
            "gap 1: with a decode stagger below the pipeline depth a request "
@@ -531,12 +573,19 @@ PATCHES: list[Patch] = [
            "output; gap 2: a request rescheduled while in flight",
            "for one schedule() call, hold back (next_decode_eligible_step) "
            "structured requests with an unapplied step other than the oldest "
-           "(async) / any (sync); validate stashed drafts first"),
+           "(async) / any (sync); validate stashed drafts first",
+           pins=(_PIN_SCHEDULE, _PIN_ASYNC_AFTER) + _PIN_STEPS),
     _patch("g1-bitmask-check", "get_grammar_bitmask", ("scheduler_output",),
            _make_bitmask,
            "defense in depth: a bitmask from a grammar missing a launched step",
            "requests with an earlier unapplied step are preempted in drop mode "
-           "and left out; rows of discarded outputs are left out"),
+           "and left out; rows of discarded outputs are left out",
+           pins=(pin(_SCHED + "get_grammar_bitmask",
+                     "builds rows only for scheduled requests with "
+                     "use_structured_output and not is_prefill_chunk: "
+                     "setting is_prefill_chunk=True for the call hides a "
+                     "request's row"),
+                 _PIN_PREEMPT)),
     _patch("g1-drafts-sync", "update_draft_token_ids", ("draft_token_ids",),
            _make_update_drafts,
            "gap 2: post_step validates the newest batch's drafts before that "
@@ -547,15 +596,23 @@ PATCHES: list[Patch] = [
            ("draft_token_ids", "scheduler_output"),
            _make_update_drafts_in_output,
            "deferred draft validation must not run on a lagging grammar",
-           "leave the placeholders of such requests at -1"),
+           "leave the placeholders of such requests at -1",
+           pins=(pin(_SCHED + "update_draft_token_ids_in_output",
+                     "a request absent from draft_token_ids keeps its -1 "
+                     "placeholders in scheduled_spec_decode_tokens (no "
+                     "acceptable drafts in the bitmask)"),)),
     _patch("g1-preempt-drop", "_preempt_request",
            ("request", "timestamp", "drop_stale_output"), _make_preempt,
            "drop-mode in-flight outputs never reach the grammar",
-           "remove the request from the FIFO (drop mode) and its stash"),
+           "remove the request from the FIFO (drop mode) and its stash",
+           pins=(_PIN_PREEMPT,)),
     _patch("g1-stopped-drop", "_handle_stopped_request", ("request",),
            _make_stopped,
            "a resumable stop drops the turn's in-flight outputs",
-           "remove the request from the FIFO"),
+           "remove the request from the FIFO",
+           pins=(pin(_SCHED + "_handle_stopped_request",
+                     "a resumable stop drops the turn's in-flight outputs "
+                     "(drop_stale_output=True), read right after it"),)),
     _patch("g1-free", "_free_request", ("request", "delay_free_blocks"),
            _make_free,
            "finished/aborted requests never apply their in-flight outputs",
@@ -567,5 +624,15 @@ PATCHES: list[Patch] = [
            "the discarded token) and leaves num_output_placeholders too high",
            "mark the later in-flight outputs drop-mode stale, zero the "
            "placeholders, truncate num_computed_tokens before the first "
-           "in-flight step, remove the request from the FIFO"),
+           "in-flight step, remove the request from the FIFO",
+           pins=(pin(_SCHED + "_handle_invalid_blocks",
+                     "under the recompute policy returns the affected running "
+                     "requests, which stay running with num_computed_tokens "
+                     "truncated"),
+                 pin(_SCHED + "_update_requests_with_invalid_blocks",
+                     "truncates num_computed_tokens at the first invalid "
+                     "block of the step's own tokens and leaves later "
+                     "in-flight steps, placeholders and drafts as they are "
+                     "(what the patch corrects)"),
+                 _PIN_PREEMPT)),
 ]
