@@ -246,3 +246,48 @@ def test_no_skip_without_g2_termination(patched, monkeypatch):
     runner = _Runner([t], {t: h.request(t).sampling_params})
     spec = {r: list(v) for r, v in so.scheduled_spec_decode_tokens.items()}
     assert _propose(runner, go, spec, [[b, EOS]]) == "drafter"
+
+
+def test_skip_only_for_drafters_whose_path_is_mirrored():
+    """The skip reproduces stock's "does not fit in the drafter" path of
+    propose_draft_token_ids' EAGLE / draft-model branch only; every other
+    drafter keeps stock drafting (extract_hidden_states caches hidden states
+    for KV transfer, ngram on the GPU updates its token table instead, ngram
+    / suffix / custom proposers have no model forward to save)."""
+    import vllm.v1.worker.gpu_model_runner as stock_runner
+
+    from vllm_patch.v1.worker import gpu_model_runner as g3
+
+    def runner(method: str, drafter_cls, **flags):
+        r = _Runner(["r"], {"r": None})
+        spec = dict(use_eagle=False, uses_draft_model=False, use_dflash=False)
+        spec.update(flags)
+        r.speculative_config = SimpleNamespace(
+            method=method, **{k: (lambda v=v: v) for k, v in spec.items()})
+        r.drafter = object.__new__(drafter_cls)
+        return r
+
+    covered = {name: getattr(stock_runner, name) for name in g3.COVERED_DRAFTERS}
+    assert all(isinstance(c, type) for c in covered.values()), covered
+    assert g3._eligible(runner("eagle", covered["EagleProposer"], use_eagle=True))
+    assert g3._eligible(runner("mtp", covered["Gemma4Proposer"], use_eagle=True))
+    assert g3._eligible(runner("dflash", covered["DFlashProposer"],
+                               use_eagle=True, use_dflash=True))
+    assert g3._eligible(runner("draft_model", covered["DraftModelProposer"],
+                               uses_draft_model=True))
+
+    from vllm.v1.spec_decode.extract_hidden_states import ExtractHiddenStatesProposer
+    from vllm.v1.spec_decode.ngram_proposer_gpu import NgramProposerGPU
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    assert not g3._eligible(runner("extract_hidden_states",
+                                   ExtractHiddenStatesProposer))
+    assert not g3._eligible(runner("ngram_gpu", NgramProposerGPU))
+    assert not g3._eligible(runner("suffix", SuffixDecodingProposer))
+    # A custom proposer subclassing EAGLE's takes stock's custom_class path.
+    custom = type("Custom", (covered["EagleProposer"],), {})
+    assert not g3._eligible(runner("custom_class", custom))
+    # Pipeline parallel: only the last rank samples; stock there.
+    pp = runner("eagle", covered["EagleProposer"], use_eagle=True)
+    pp.parallel_config.pipeline_parallel_size = 2
+    assert not g3._eligible(pp)

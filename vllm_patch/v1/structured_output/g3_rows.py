@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 from vllm.logger import init_logger
 
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 
 logger = init_logger(__name__)
@@ -171,6 +172,15 @@ def _make_grammar_bitmask(series: str) -> Any:
     return make
 
 
+_PIN_BITMASK = pin(
+    f"{_TARGET_MODULE}:StructuredOutputManager.grammar_bitmask",
+    "row layout (0.32: 1 + len(drafts) rows per request, packed; 0.33: "
+    "k + 1 rows per request); the speculative walk advances the grammar "
+    "draft by draft, hands (grammar, index, apply_bitmask, ...) entries to "
+    "_fill_bitmasks, leaves every row after the first -1 draft all-ones "
+    "(seen_padding), copies the row of a failed accept to the rows after it "
+    "(failed_index), and rolls the grammar back afterwards")
+
 _WHY_ROWS = (
     "stock writes all-ones rows after a terminal draft and after the first -1 "
     "(grammar-invalid / post-terminal) draft, so the V1 runner verifies "
@@ -204,6 +214,21 @@ PATCHES: list[Patch] = [
              "themselves)" + _DESIGN),
         upstream=UPSTREAM,
         remove_when="vLLM fills stop-only rows after a terminal draft",
+        pins=(
+            _PIN_BITMASK,
+            pin(f"{_TARGET_MODULE}:StructuredOutputManager._fill_bitmasks",
+                "entries are (grammar, index, apply_bitmask, ...) rows of "
+                "self._grammar_bitmask; a terminated grammar's row is "
+                "_full_mask (all tokens), the row the patch replaces"),
+            pin("vllm.v1.structured_output.backend_guidance:GuidanceGrammar"
+                ".fill_bitmask",
+                "a stopped llguidance matcher fills an EOS-only row "
+                "(fill_stop_row keeps it)"),
+            pin("vllm.v1.structured_output.backend_outlines:OutlinesGrammar"
+                ".fill_bitmask",
+                "writes the outlines guide's mask, EOS-only in a final state "
+                "(fill_stop_row keeps it)"),
+        ),
     ),
     Patch(
         name="g3-rows-after-padding-0.33",
@@ -217,6 +242,7 @@ PATCHES: list[Patch] = [
         how=_HOW_ROWS + " (0.33: mask_stride = k+1 rows per request)" + _DESIGN,
         upstream=UPSTREAM,
         remove_when="vLLM stops writing all-ones rows after -1 drafts",
+        pins=(_PIN_BITMASK,),
     ),
     Patch(
         name="g3-rows-after-padding-0.32",
@@ -231,5 +257,6 @@ PATCHES: list[Patch] = [
             + _DESIGN,
         upstream=UPSTREAM,
         remove_when="0.32 support is dropped",
+        pins=(_PIN_BITMASK,),
     ),
 ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 
 logger = logging.getLogger("vllm_patch")
@@ -192,9 +193,41 @@ def _g2_finishes_at_grammar_end() -> bool:
                if n.startswith("g2-commit-cut"))
 
 
+# Drafters whose stock "input does not fit in the drafter" path
+# (GPUModelRunner.sample_tokens, pinned) `_skip_drafter` reproduces: the ones
+# propose_draft_token_ids runs through its EAGLE / draft-model branch (stock
+# asserts these classes there; subclasses such as Step3p5MTPProposer
+# included). The skip is never taken for any other drafter, whose not-fits
+# path was not mirrored: extract_hidden_states (its propose caches the
+# target's hidden states in the KV cache for transfer, not only drafts),
+# ngram on the GPU (stock keeps its token table in step with
+# update_token_ids_ngram), and ngram / suffix / medusa (0.32) / custom
+# proposers (no model forward to save).
+COVERED_DRAFTERS = ("EagleProposer", "DFlashProposer", "DraftModelProposer",
+                    "Gemma4Proposer")
+_covered: list[tuple[type, ...]] = []
+
+
+def _covered_classes() -> tuple[type, ...]:
+    if not _covered:
+        import vllm.v1.worker.gpu_model_runner as runner_module
+
+        _covered.append(tuple(
+            cls for name in COVERED_DRAFTERS
+            if isinstance(cls := getattr(runner_module, name, None), type)))
+    return _covered[0]
+
+
 def _eligible(runner: Any) -> bool:
+    """May the drafter of `runner` be skipped (see COVERED_DRAFTERS)?"""
     spec = getattr(runner, "speculative_config", None)
-    if spec is None or not (spec.use_eagle() or spec.uses_draft_model()):
+    if spec is None:
+        return False
+    use_dflash = getattr(spec, "use_dflash", None)
+    if not (spec.use_eagle() or spec.uses_draft_model()
+            or (use_dflash is not None and use_dflash())):
+        return False  # not propose_draft_token_ids' EAGLE / draft-model branch
+    if not isinstance(getattr(runner, "drafter", None), _covered_classes()):
         return False
     pc = getattr(runner, "parallel_config", None)
     # Pipeline parallel: only the last rank samples; keep stock there.
@@ -298,8 +331,12 @@ def ending_requests(runner: Any, scheduler_output: Any,
 
 def _skip_drafter(runner: Any, sampled_token_ids: Any) -> Any:
     """Stock's own path for "input does not fit in the drafter"
-    (GPUModelRunner.sample_tokens): zero drafts, and under async scheduling
-    the next step's sampled-token inputs prepared without the drafter."""
+    (GPUModelRunner.sample_tokens, pinned), for the drafters in
+    COVERED_DRAFTERS only: zero drafts, no draft probabilities, and with the
+    padded drafter batch (GPU sampled tokens) the next step's sampled-token
+    inputs prepared without the drafter; a dummy run keeps DP ranks' drafter
+    collectives in step. Stock zeroes the host copy of the drafts directly
+    (`zeros_only`); here the caller copies the zero tensor: same values."""
     import torch
 
     runner._draft_probs = None
@@ -354,6 +391,17 @@ def _make_take_draft_token_ids(original: Any) -> Any:
     return take_draft_token_ids
 
 
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
+_PIN_SAMPLE_TOKENS = pin(
+    _RUNNER + "sample_tokens",
+    "applies the grammar bitmask and hands execute_model_state's "
+    "spec_decode_metadata to the rejection sampler after sample_tokens "
+    "starts; calls propose_draft_token_ids only when the input fits in the "
+    "drafter, stores its return as the drafts and copies them to the host; "
+    "its not-fits path (zero drafts, no draft probs, "
+    "prepare_next_token_ids_padded for GPU sampled tokens, a DP dummy run) "
+    "is what _skip_drafter reproduces")
+
 PATCHES: list[Patch] = [
     Patch(
         name="g3-v1-runner-acceptable-drafts",
@@ -376,6 +424,17 @@ PATCHES: list[Patch] = [
         upstream=("vLLM Model Runner V2 grammar_invalid_drafts "
                   "(v1/worker/gpu/structured_outputs.py); SGLang PR #24082"),
         remove_when="the V1 runner reads num_acceptable_drafts (or is removed)",
+        pins=(
+            _PIN_SAMPLE_TOKENS,
+            pin("vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
+                "spec_decode_metadata.draft_token_ids is used only as the "
+                "rejection sampler's draft input (the -1 written there "
+                "reaches nothing else)"),
+            pin("vllm.v1.sample.rejection_sampler:rejection_sample",
+                "hands draft_token_ids to the greedy / random (and FLy) "
+                "kernels, which reject a draft < 0; the Triton kernels "
+                "themselves have no inspectable source to pin"),
+        ),
     ),
     Patch(
         name="g3-no-drafts-after-grammar-end",
@@ -400,12 +459,38 @@ PATCHES: list[Patch] = [
              "(zero drafts). Some ended: the drafter runs as in stock (no "
              "compute saved), their drafts are not handed over. Sampled tokens "
              "are read only when the bitmask says every request may end. "
+             "Drafters skipped: EAGLE / EAGLE3 / MTP (EagleProposer, "
+             "Gemma4Proposer, subclasses), DFlash and draft_model, whose "
+             "not-fits path is mirrored; never skipped (stock drafting): "
+             "extract_hidden_states (its propose caches hidden states for KV "
+             "transfer), ngram on the GPU (stock updates its token table "
+             "instead), ngram, suffix, medusa, custom proposers, and pipeline "
+             "parallel. "
              "Needs g3-v1-runner-acceptable-drafts (it passes grammar_output "
              "in) and G2's commit cut (else nothing is skipped). Runner-side: "
              "only the worker knows the sampled tokens before drafting"),
         upstream=("SGLang PR #24082 (no drafts for finished grammars); vLLM "
                   "has no counterpart"),
         remove_when="vLLM skips drafting for requests finishing in the step",
+        pins=(
+            _PIN_SAMPLE_TOKENS,
+            pin(_RUNNER + "propose_draft_token_ids",
+                "its EAGLE / draft-model branch (the COVERED_DRAFTERS) sets "
+                "no per-step runner state but the drafts, _draft_probs / "
+                "_draft_prob_req_ids and (padded batch) the next step's "
+                "sampled-token inputs, which _skip_drafter sets as stock's "
+                "not-fits path does"),
+            pin("vllm.v1.structured_output:StructuredOutputManager"
+                ".grammar_bitmask",
+                "bitmask row layout read by grammar_end.request_rows (0.32: "
+                "1 + len(drafts) rows packed; 0.33: k + 1 per request) and "
+                "reasoning rows (all-ones, minus masked reasoning ends)"),
+            pin("vllm.v1.structured_output:StructuredOutputManager"
+                "._create_grammar",
+                "grammars are compiled with the request's all_stop_token_ids "
+                "as stop tokens (xgrammar), the set grammar_end.stop_set "
+                "reads"),
+        ),
     ),
     Patch(
         name="g3-no-drafts-handed-over-after-grammar-end",
@@ -421,5 +506,13 @@ PATCHES: list[Patch] = [
              "(async: pads -1 and num_acceptable_drafts=0)"),
         upstream="SGLang PR #24082",
         remove_when="with g3-no-drafts-after-grammar-end",
+        pins=(
+            pin("vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
+                "an empty draft list leaves the request without spec tokens"),
+            pin("vllm.v1.core.sched.scheduler:Scheduler"
+                ".update_draft_token_ids_in_output",
+                "an empty draft list is padded with -1 to the scheduled count "
+                "(no acceptable drafts)"),
+        ),
     ),
 ]
