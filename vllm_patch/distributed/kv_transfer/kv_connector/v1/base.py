@@ -21,6 +21,7 @@ from typing import Any
 from vllm.logger import init_logger
 
 from vllm_patch import patching as registry
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 
 logger = init_logger(__name__)
@@ -108,6 +109,11 @@ PATCHES: list[Patch] = [
             "request marked by g4-kv-load-during-compile only when it is an "
             "async load of > 0 tokens, else return (None, False) so stock "
             "schedule() skips the request before allocating",
+        pins=(pin("vllm.v1.core.sched.scheduler:Scheduler.schedule",
+                  "a None from get_num_new_matched_tokens skips the request "
+                  "for this step before any block is allocated (the lookup "
+                  "is asked again later); an async load of > 0 tokens parks "
+                  "it in WAITING_FOR_REMOTE_KVS without scheduling it"),),
         **_COMMON,
     ),
     Patch(
@@ -119,6 +125,10 @@ PATCHES: list[Patch] = [
             "must not be scheduled before its grammar is ready",
         how="per scheduler-side connector object: such a request waits for "
             "its grammar future before the stock method runs",
+        pins=(pin("vllm.v1.structured_output.request:StructuredOutputRequest"
+                  "._check_grammar_completion",
+                  "a compiling grammar is a Future in _grammar (waited on "
+                  "here); a failed compile is reported by stock code"),),
         **_COMMON,
     ),
 ]

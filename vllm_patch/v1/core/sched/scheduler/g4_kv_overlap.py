@@ -48,6 +48,7 @@ from vllm_patch.distributed.kv_transfer.kv_connector.v1.base import (
     _stats,
     wrap_connector,
 )
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 
 logger = logging.getLogger("vllm_patch")
@@ -132,5 +133,28 @@ PATCHES: list[Patch] = [
              "in WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR until the grammar is done"),
         upstream=UPSTREAM,
         remove_when="vLLM starts the remote KV pull before the grammar is ready",
+        pins=(
+            pin(_SCHED + "schedule",
+                "waiting loop: once _handle_blocked_waiting_request returns "
+                "True it never reads the status (WAITING_FOR_STRUCTURED_OUTPUT"
+                "_GRAMMAR stays) before the connector lookup of a request with "
+                "num_computed_tokens == 0; a None from get_num_new_matched_"
+                "tokens skips the request before any block is allocated; an "
+                "async load allocates, calls update_state_after_alloc and "
+                "parks the request in WAITING_FOR_REMOTE_KVS"),
+            pin(_SCHED + "_handle_blocked_waiting_request",
+                "WAITING_FOR_REMOTE_KVS: False until the load finished, then "
+                "WAITING (PREEMPTED if preempted before); WAITING_FOR_"
+                "STRUCTURED_OUTPUT_GRAMMAR: False while the grammar is None, "
+                "records a compile error and returns False, else WAITING"),
+            pin("vllm.v1.structured_output.request:StructuredOutputRequest"
+                ".grammar.fget",
+                "grammar is None while the compile future is pending, the "
+                "Exception when the compile failed (_grammar_state)"),
+            pin("vllm.v1.structured_output.request:StructuredOutputRequest"
+                "._check_grammar_completion",
+                "resolves a done future in _grammar in place (an exception "
+                "becomes the value); a pending one reads as not ready"),
+        ),
     ),
 ]
