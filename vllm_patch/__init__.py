@@ -24,6 +24,7 @@ PATCH_MODULES: dict[str, tuple[str, ...]] = {
     "vllm_patch.v1.core.sched.scheduler.g2_commit_cut": ("G2",),
     "vllm_patch.v1.core.sched.scheduler.g4_kv_overlap": ("G4",),
     "vllm_patch.v1.core.sched.scheduler.invariants": ("package",),
+    "vllm_patch.v1.core.block_pool": ("package",),
     "vllm_patch.v1.core.sched.async_scheduler": ("G2",),
     "vllm_patch.v1.metrics.stats.g2_spec_metrics_cap": ("G2",),
     "vllm_patch.v1.metrics.stats.invariants_field": ("package",),

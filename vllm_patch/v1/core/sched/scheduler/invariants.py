@@ -1,13 +1,10 @@
-"""Runtime invariant checker for the v1 scheduler (issue 8).
+"""Runtime invariant checker for the v1 scheduler (opt-in diagnostics).
 
-`VLLM_PATCH_CHECK_INVARIANTS=1` applies two opt-in patches (nothing is
-wrapped when it is off):
-
-- `invariants-track-launched` wraps `Scheduler._update_after_schedule` (the
-  end of every `schedule()`, `AsyncScheduler` included) to count, per
-  request, the launched steps whose output is not applied yet;
-- `invariants-check` wraps `Scheduler.update_from_output` (inherited by
-  `AsyncScheduler` on 0.32 and 0.33) and checks, after each call:
+`VLLM_PATCH_CHECK_INVARIANTS=1` applies `invariants-check` (every new
+`Scheduler.__init__` instruments its scheduler) and per-object observers of
+that scheduler's `update_from_output` and `_update_after_schedule` and of its
+block pool's `free_blocks` (vllm_patch.v1.core.block_pool); after every
+processed step it checks:
 
   computed_le_tokens  num_computed_tokens <= num_tokens (+ placeholders while
                       a step is in flight for the request)
@@ -79,7 +76,6 @@ INVARIANTS = (
     "idle_pool", "double_free",
 )
 CHECK_PATCH = "invariants-check"
-TRACK_PATCH = "invariants-track-launched"
 _ATTR = "_vllm_patch_invariant_checker"
 
 
@@ -597,7 +593,6 @@ def _snapshot(self: Any, scheduler_output: Any) -> dict[str, Any]:
 # and never runs twice for one call (re-entrancy guard).
 UPDATE_OBSERVER = "invariants-observe-update"
 LAUNCH_OBSERVER = "invariants-observe-launch"
-FREE_OBSERVER = "invariants-observe-free"
 
 
 def _update_wrapper(_original: Any, scheduler: Any) -> Any:
@@ -641,22 +636,6 @@ def _track_wrapper(_original: Any, scheduler: Any) -> Any:
     return _update_after_schedule
 
 
-def _free_wrapper(_original: Any, scheduler: Any, pool: Any) -> Any:
-    def free_blocks(ordered_blocks, *args, **kwargs):
-        blocks = list(ordered_blocks)
-        c = checker(scheduler)
-        try:
-            c.freeing(blocks)
-        except InvariantViolation:
-            raise
-        except Exception:  # noqa: BLE001 - never break serving
-            if c.mode == "raise":
-                raise
-        return type(pool).free_blocks(pool, blocks, *args, **kwargs)
-
-    return free_blocks
-
-
 def instrument(scheduler: Any, force: bool = True) -> Checker:
     """Check one scheduler instance through per-object registry patches
     (idempotent). `invariants-check` calls it at the end of every
@@ -668,6 +647,8 @@ def instrument(scheduler: Any, force: bool = True) -> Checker:
     pool = getattr(getattr(scheduler, "kv_cache_manager", None),
                    "block_pool", None)
     if pool is not None:
+        from vllm_patch.v1.core.block_pool import FREE_OBSERVER
+
         registry.wrap_instance(FREE_OBSERVER, pool, scheduler, pool, force=force)
     return c
 
@@ -684,7 +665,7 @@ _SCHED = "vllm.v1.core.sched.scheduler:Scheduler."
 _COMMON = dict(
     guarantee="package",
     versions=("0.32", "0.33"),
-    upstream="SGLang SchedulerInvariantChecker (issue 8)",
+    upstream="SGLang's scheduler invariant checker",
     remove_when="never: opt-in diagnostics",
     enabled=lambda s: s.check_invariants and not s.disable,
 )
@@ -729,17 +710,6 @@ PATCHES: list[Patch] = [
         why="the checks need the steps launched and not yet processed",
         how="per scheduler object: after the class method, count the "
             "request ids of the launched step",
-        **_COMMON,
-    ),
-    Patch(
-        name=FREE_OBSERVER,
-        target="vllm.v1.core.block_pool:BlockPool.free_blocks",
-        signature=("self", "ordered_blocks"),
-        make=_free_wrapper,
-        per_instance=True,
-        why="double frees are caught when they happen",
-        how="per block-pool object of an instrumented scheduler: record the "
-            "blocks freed, then call the class method",
         **_COMMON,
     ),
 ]
