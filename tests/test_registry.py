@@ -604,3 +604,13 @@ def test_status_reflects_stop_switch(registry, monkeypatch):
     row = {r["guarantee"]: r for r in patching.guarantee_table()}["G2"]
     assert row["status"] == "partial"
     assert "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0" in row["reason"]
+
+
+def test_unknown_version_package_patches_one_line(registry, monkeypatch, warnings_seen):
+    _unknown_version(monkeypatch)
+    registry.add(make_patch(name="test-pkg-a", guarantee="package"))
+    registry.add(make_patch(name="test-pkg-b", guarantee="package",
+                            target="vllm.outputs:EmbeddingRequestOutput.__repr__"))
+    vllm_patch.register()
+    lines = [r.getMessage() for r in warnings_seen]
+    assert len(lines) == 1 and "test-pkg-a, test-pkg-b NOT applied" in lines[0], lines
