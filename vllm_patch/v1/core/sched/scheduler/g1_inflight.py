@@ -32,7 +32,11 @@ The invariant, checked at every point where stock uses grammar state:
   against a stale grammar (which also stops the premature reschedule); they
   are validated by the stock method at the first `schedule()` after the
   step is applied. `update_draft_token_ids_in_output` (async) leaves the
-  placeholders of such a request at -1 (no acceptable drafts).
+  placeholders of such a request at -1 (no acceptable drafts). Safety net
+  (sync): at `schedule()`, a request with a step in flight must have no
+  drafts (stock clears them when it launches the step, the stash keeps new
+  ones out); drafts found there were validated against a grammar missing
+  that step by something that bypassed the stash, and are dropped.
 - outputs that will never reach the grammar are removed from the FIFO:
   preemption in drop mode (incl. `reset_prefix_cache`), resumable stops,
   finished/aborted requests, and KV-load failures with the `recompute`
@@ -43,12 +47,26 @@ The invariant, checked at every point where stock uses grammar state:
   (as `_preempt_request` does), zeroes the placeholders and truncates
   `num_computed_tokens` to the tokens before the first in-flight step.
 
-Every correction is counted (`stats()`, `COUNTS`) and logged (rate-limited,
-one line per kind per 10 s). `VLLM_PATCH_STRICT=1` raises `StaleGrammarError`
-instead of correcting. Fast paths: with no in-flight step older than the one
-at hand (sync without batch queue, async at batch queue 2) every check is a
-length test or one set intersection; bitmasks, schedules and drafts are
-identical to stock there.
+Two classes of events, counted per scheduler (`stats()`) and per process
+(`COUNTS`), each kind logged once per process:
+
+- the mechanism's normal work (`WORK`): holding a request back (`schedule`),
+  stashing drafts (`drafts-sync`), leaving async draft slots at -1
+  (`drafts-async`), the KV-recompute correction (`kv-recompute`). vLLM's own
+  engine flows need these (PP decode stagger below the pipeline depth, sync
+  scheduling with a batch queue, a failed KV load under async); they never
+  raise.
+- the safety net (`SAFETY_NET`): stale grammar state would actually be used
+  despite the mechanism, which only a bug in vLLM or a custom scheduler /
+  engine loop that bypasses it can cause: a bitmask requested while an
+  earlier step of the request is unapplied (`bitmask`), drafts validated
+  while a step of the request was unapplied (`drafts-stale`). Corrected and
+  logged as a warning; `VLLM_PATCH_STRICT_RUNTIME=1` raises
+  `StaleGrammarError` instead.
+
+Fast paths: with no in-flight step older than the one at hand (sync without
+batch queue, async at batch queue 2) every check is a length test or one set
+intersection; bitmasks, schedules and drafts are identical to stock there.
 
 Gap 3 (PP + async + spec: drafts of the wrong batch) is worker-side (the
 runner keeps one draft slot); not handled here.
@@ -56,37 +74,71 @@ runner keeps one draft slot); not handled here.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from typing import Any
 
+from vllm.logger import init_logger
+
 from vllm_patch import envs
 from vllm_patch.patching import Patch
 
-logger = logging.getLogger("vllm_patch")
+logger = init_logger(__name__)
 
 _STATE_ATTR = "_vllm_patch_g1"
 _EMPTY: frozenset = frozenset()
 # More unprocessed steps than any pipeline: update_from_output is not tracked
 # (patch skipped or reverted); stop tracking rather than gate forever.
 _MAX_DEPTH = 64
-_LOG_INTERVAL_S = 10.0
 
-# Kinds of stale-grammar use that were corrected (process-wide totals).
-GATE = "schedule"            # would join a step before its earlier step applies
+# Kinds of event, by request (per scheduler: stats(); per process: COUNTS).
+# The mechanism's normal work: vLLM's own engine flows need it; never raised.
+GATE = "schedule"            # held back: its earlier step would apply too late
+DRAFTS_SYNC = "drafts-sync"  # drafts stashed until the request's step applies
+DRAFTS_ASYNC = "drafts-async"  # draft slots left at -1 (earlier step unapplied)
+KV_RECOMPUTE = "kv-recompute"  # failed KV load: later in-flight outputs dropped
+# The safety net: stale grammar state would be used despite the mechanism
+# (something bypassed it). Corrected; raised under VLLM_PATCH_STRICT_RUNTIME=1.
 BITMASK = "bitmask"          # bitmask requested while an earlier step unapplied
-DRAFTS_SYNC = "drafts-sync"  # update_draft_token_ids before the step applied
-DRAFTS_ASYNC = "drafts-async"
-KV_RECOMPUTE = "kv-recompute"
-KINDS = (GATE, BITMASK, DRAFTS_SYNC, DRAFTS_ASYNC, KV_RECOMPUTE)
+DRAFTS_STALE = "drafts-stale"  # drafts validated while a step was unapplied
+KINDS = (GATE, BITMASK, DRAFTS_SYNC, DRAFTS_ASYNC, KV_RECOMPUTE, DRAFTS_STALE)
+WORK = frozenset({GATE, DRAFTS_SYNC, DRAFTS_ASYNC, KV_RECOMPUTE})
+SAFETY_NET = frozenset({BITMASK, DRAFTS_STALE})
 COUNTS: dict[str, int] = dict.fromkeys(KINDS, 0)
-_last_log: dict[str, float] = {}
+
+# One log line per kind per process (vLLM's *_once helpers key on the
+# message and its arguments, so both are fixed per kind).
+_WORK_LINE = {
+    GATE: "held a structured-output request back from a step whose grammar "
+          "bitmask would have been built before the request's previous step "
+          "was applied (decode stagger below the pipeline depth); it joins "
+          "the next step instead",
+    DRAFTS_SYNC: "kept a request's draft tokens aside until its launched step "
+                 "is applied to the grammar (sync scheduling with a batch "
+                 "queue); they are validated then",
+    DRAFTS_ASYNC: "left a request's draft slots invalid (-1) because an "
+                  "earlier step of it is not yet applied to the grammar",
+    KV_RECOMPUTE: "a KV load failed (recompute policy) while later steps of "
+                  "the request were in flight; their outputs are discarded "
+                  "and the request recomputes",
+}
+_NET_LINE = {
+    BITMASK: ("a grammar bitmask was requested for a structured-output "
+              "request whose previous step is not yet applied to its grammar",
+              "the request is preempted and recomputes from its committed "
+              "tokens, without a row in this bitmask"),
+    DRAFTS_STALE: ("a structured-output request's draft tokens were "
+                   "validated against its grammar while one of its steps was "
+                   "still in flight (not yet applied)",
+                   "those drafts are dropped; the request's next step runs "
+                   "without drafts"),
+}
 
 
 class StaleGrammarError(RuntimeError):
-    """Grammar state would be used before every launched step applied to it
-    (raised instead of corrected under VLLM_PATCH_STRICT=1)."""
+    """Stale grammar state would be used despite G1's mechanism (something
+    bypassed it); raised instead of corrected under
+    VLLM_PATCH_STRICT_RUNTIME=1."""
 
 
 class _Entry:
@@ -156,7 +208,8 @@ def state(scheduler: Any) -> G1State:
 
 
 def stats(scheduler: Any) -> dict[str, int]:
-    """Corrections made for this scheduler, by kind."""
+    """Events for this scheduler, by kind (requests held back, drafts
+    stashed, ...: see KINDS, WORK, SAFETY_NET)."""
     return dict(state(scheduler).counts)
 
 
@@ -165,22 +218,41 @@ def unapplied_steps(scheduler: Any, req_id: str) -> int:
     return state(scheduler).unapplied(req_id)
 
 
-def _stale(st: G1State, kind: str, req_ids: Any, what: str) -> None:
-    """Count one corrected stale use (or raise in strict mode)."""
-    n = len(req_ids)
-    if envs.settings().strict:
-        raise StaleGrammarError(
-            f"vllm_patch G1: {what} for request(s) {sorted(req_ids)[:8]} with a "
-            f"launched step not yet applied to the grammar [VLLM_PATCH_STRICT=1]")
+def _count(st: G1State, kind: str, n: int) -> None:
     st.counts[kind] += n
     COUNTS[kind] += n
-    now = time.monotonic()
-    if now - _last_log.get(kind, -1e9) >= _LOG_INTERVAL_S:
-        _last_log[kind] = now
-        logger.warning(
-            "vllm_patch G1: %s for %d request(s) (e.g. %s) with a launched step "
-            "not yet applied to the grammar; corrected (%s total: %d)",
-            what, n, next(iter(req_ids)), kind, COUNTS[kind])
+
+
+def _work(st: G1State, kind: str, req_ids: Any) -> None:
+    """The mechanism did its normal work for `req_ids`: count and log (once
+    per kind per process); never raises."""
+    _count(st, kind, len(req_ids))
+    logger.info_once(
+        "vllm_patch G1: %s. This is how G1 keeps grammar state current; "
+        "logged once, counted per scheduler (kind %r)",
+        _WORK_LINE[kind], kind, scope="process")
+
+
+def _safety_net(st: G1State, kind: str, req_ids: Any) -> None:
+    """Stale grammar state would be used for `req_ids` despite the mechanism:
+    count; raise under VLLM_PATCH_STRICT_RUNTIME=1, else log (once per kind
+    per process) and let the caller correct it."""
+    _count(st, kind, len(req_ids))
+    what, fix = _NET_LINE[kind]
+    if envs.settings().strict_runtime:
+        raise StaleGrammarError(
+            f"vllm_patch G1: {what} (request(s) {sorted(req_ids)[:8]}). "
+            "Grammar state would be used before every step launched for the "
+            "request was applied to it: vLLM or a custom scheduler / engine "
+            "loop bypassed vllm_patch's ordering (held-back requests, "
+            "drafts kept until their step is applied). Raised because "
+            "VLLM_PATCH_STRICT_RUNTIME=1; without it vllm_patch corrects "
+            f"this: {fix}.")
+    logger.warning_once(
+        "vllm_patch G1: %s; corrected: %s. vLLM or a custom scheduler / "
+        "engine loop bypassed G1's ordering; logged once, counted per "
+        "scheduler (kind %r); VLLM_PATCH_STRICT_RUNTIME=1 raises instead",
+        what, fix, kind, scope="process")
 
 
 # ------------------------------------------------------------------ tracking
@@ -205,9 +277,9 @@ def _make_after_schedule(original):
             scheduler_output.pending_structured_output_tokens = True
         if len(fifo) >= _MAX_DEPTH:
             fifo.clear()
-            logger.warning("vllm_patch G1: %d unprocessed steps; "
-                           "update_from_output is not tracked, tracking reset",
-                           _MAX_DEPTH)
+            logger.warning_once(
+                "vllm_patch G1: %d unprocessed steps; update_from_output is "
+                "not tracked, tracking reset", _MAX_DEPTH, scope="process")
         fifo.append(_Entry(id(scheduler_output), live))
 
     return _update_after_schedule
@@ -274,10 +346,19 @@ def _make_schedule(original):
 
         gated = []
         attempts = []
+        drafted = []
         hold = self.current_step + 2  # schedule() skips while current_step < hold
         for rid in blocked:
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None:
+                continue
+            if req.spec_token_ids and not st.is_async:
+                # Sync: stock clears a request's drafts when it launches a
+                # step and the stash keeps new ones out until that step is
+                # applied, so these were validated against a grammar that
+                # lacks it (something bypassed the stash).
+                drafted.append(req)
+            if req.status != RequestStatus.RUNNING:
                 continue
             if _would_schedule(self, req):
                 attempts.append(rid)
@@ -287,9 +368,12 @@ def _make_schedule(original):
                 req.next_decode_eligible_step = hold
         try:
             if attempts:
-                _stale(st, GATE, attempts,
-                       "scheduling a step whose bitmask would precede an "
-                       "earlier step's output")
+                _work(st, GATE, attempts)
+            if drafted:
+                _safety_net(st, DRAFTS_STALE,
+                            [r.request_id for r in drafted])
+                for req in drafted:
+                    req.spec_token_ids = []
             return original(self, throttle_prefills)
         finally:
             for req, prev in gated:
@@ -311,7 +395,7 @@ def _make_bitmask(original):
         entry = st.fifo[i]
         stale = entry.live & st.older_live(i) if i else _EMPTY
         if stale:
-            _stale(st, BITMASK, stale, "grammar bitmask requested")
+            _safety_net(st, BITMASK, stale)
             _drop_requests(self, st, stale)
         if not entry.doomed:
             return original(self, scheduler_output)
@@ -387,8 +471,7 @@ def _make_update_drafts(original):
                 keep_ids.append(rid)
                 keep.append(drafts)
         if held:
-            _stale(st, DRAFTS_SYNC, held,
-                   "draft validation (held until the step is applied)")
+            _work(st, DRAFTS_SYNC, held)
         return original(self, DraftTokenIds(keep_ids, keep))
 
     return update_draft_token_ids
@@ -410,8 +493,7 @@ def _make_update_drafts_in_output(original):
         from vllm.v1.outputs import DraftTokenIds
 
         if entry.live & stale:
-            _stale(st, DRAFTS_ASYNC, entry.live & stale,
-                   "draft validation (drafts left invalid)")
+            _work(st, DRAFTS_ASYNC, entry.live & stale)
         pairs = [(r, d) for r, d in zip(draft_token_ids.req_ids,
                                         draft_token_ids.draft_token_ids)
                  if r not in stale]
@@ -487,9 +569,7 @@ def _make_invalid_blocks(original):
                 req.spec_token_ids = []
             st.drop(rid, doom=True)
         if fixed:
-            _stale(st, KV_RECOMPUTE, fixed,
-                   "KV-load recompute with later steps in flight (their "
-                   "outputs discarded)")
+            _work(st, KV_RECOMPUTE, fixed)
         return affected
 
     return _handle_invalid_blocks
