@@ -1,94 +1,25 @@
 """G2 for vllm.v1.core.sched.scheduler: nothing past the grammar's end is committed.
 
-Hook: `Scheduler._update_request_with_output`, the one place where a step's
-sampled tokens are appended to the request (and thereby hashed into blocks,
-cached, fed to the grammar, given logprobs and emitted: all of that reads the
-list this method returns). The wrapper decides, with the grammar, how many of
-the returned tokens may be committed BEFORE the stock append loop runs, and
-it does so with ONE grammar walk: the walk that stock would do afterwards in
-`StructuredOutputManager.accept_tokens`, moved in front of the append.
+`Scheduler._update_request_with_output` is where a step's tokens are
+appended (and so hashed, cached, fed to the grammar, given logprobs and
+emitted). Before the stock append, the replacement advances the grammar over
+the step's tokens after the reasoning split, in the one walk stock would do
+afterwards in `accept_tokens` (`advance_cut`; g2-accept-once turns stock's
+later accept of the same list into a no-op), stopping after a terminal token
+or before a rejected one. The tail is deleted in place and
+`num_computed_tokens` / `num_output_placeholders` roll back by the dropped
+count; if stock then stops earlier (max_tokens, a stop token), the grammar is
+rolled back to the kept tokens. The request finishes in the same pass:
+FINISHED_STOPPED on termination (stop_reason = the terminal id unless it is
+the tokenizer EOS), FINISHED_ERROR on rejection. Without g2-accept-once, the
+validate-only `grammar_cut` keeps the guarantee at twice the grammar work.
 
-1. `advance_cut` splits off the reasoning part exactly as stock does
-   (`StructuredOutputManager._get_constraint_bounds`, uncommitted form, as
-   `validate_tokens` uses it), then ADVANCES the grammar over the rest,
-   stopping after a terminal token or before the first rejected token:
-   - xgrammar: token by token on the matcher (`accept_token` returns False
-     for an invalid token without advancing; `is_terminated()` after each
-     accepted token). Exactly stock's accept loop, nothing more.
-   - guidance (llguidance's matcher enters a sticky error state on a failed
-     consume), outlines (advance on a dead state fails; rollback depth k)
-     and any other backend: the non-advancing `validate_tokens` first
-     (native in llguidance), then `accept_tokens` of the valid prefix only.
-   - guidance, complete grammar ("stopped", only EOS allowed, which its
-     `validate_tokens` reports as invalid): EOS is accepted as the terminal,
-     as its `accept_tokens` does.
-2. The dropped tail is deleted from the runner's list in place and
-   `num_computed_tokens` / `num_output_placeholders` are rolled back by the
-   dropped count (what stock 0.33 does for a stop trim), unless the output is
-   stale (preempted request: counters were already reset).
-3. The stock method appends the kept prefix and runs `check_stop`. If it
-   trims further than the cut (max_tokens, a user stop token, max_model_len
-   before the terminal), the grammar is rolled back by the difference, so
-   it holds exactly the kept grammar tokens (at most k tokens: every backend
-   can roll back that far); if the trim falls before the reasoning end, all
-   of the advance is rolled back (stock would not have latched
-   `reasoning_ended` either).
-4. The kept list is marked as "already accepted" (`ACCEPTED`, keyed by
-   the list object's id). Stock then calls
-   `StructuredOutputManager.accept_tokens(request, kept)` with that very
-   list; `vllm_patch.v1.structured_output.g2_accept_once` turns that call
-   into a no-op that only latches `reasoning_ended` (as stock does when the
-   grammar part is non-empty) and clears the mark. Any other call, or a
-   list that is not the marked one, goes to stock unchanged.
-5. If stock did not stop, the request finishes in the same pass:
-   FINISHED_STOPPED (stop_reason = terminal id unless it is the tokenizer EOS)
-   on termination, FINISHED_ERROR + non-resumable on rejection (one log line).
-
-Without the manager patch (skipped, or its signature differs) the advance
-would be applied twice, so the wrapper falls back to the validate-only path
-(`grammar_cut`: `validate_tokens` plus a terminal probe, never advancing):
-same guarantee, about twice the grammar work.
-
-Cost (issue 3): the replacement is not a wrapper around the stock method
-when the stock source is the audited one (`_audited`: sha256 of
-`inspect.getsource`, per series): it carries the stock body inline. One
-Python call layer per request is about 1 % of the stock per-request update
-(cProfile call counts: the old wrapper added `_update_request_with_output`,
-`advance_cut` and `make_spec_decoding_stats` frames to every request, the
-unstructured ones included), the whole 1.01x budget for unstructured
-batches. Inline, an unstructured request runs exactly the stock body (0.32:
-plus the stop-trim rollback, inside the stop branch) in one frame, and a
-structured request runs cut, stock body and finish in that frame (the
-xgrammar accept loop inline too). `make_spec_decoding_stats` likewise. Any
-other source gets the wrapping implementation (`_wrap_update`,
-`_make_spec_stats`): same guarantee, one call layer more.
-
-Not done: skipping the walk when a step returns exactly the drafts the
-bitmask walk validated at schedule time. The grammar must be advanced by
-those tokens anyway (stock does it), and the walk that advances it is the
-one that validates them here, so there is nothing left to skip; trusting the
-schedule-time validation instead would trust the worker's mask (the
-divergence P6 exists for).
-
-The settings (`VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION`) are read at call time,
-only when a grammar terminal is found (rare), so a test can flip them without
-re-applying and the hot path pays nothing for them. With the flag off,
-termination is left to stock: the advance is rolled back and stock's own
-accept runs (post-terminal tokens behave as in stock); the rejection trim
-stays.
-
-0.32 differences, handled by a separate series of the same patch:
-- stock 0.32 trims at a stop but does not roll back `num_computed_tokens`;
-  the 0.32 wrapper does (and, under async scheduling, also the placeholders
-  of the trimmed tokens, so 0.32's `AsyncScheduler` caches the same blocks).
-  This applies to every request (G2: "any stop trim"); emitted output of
-  unstructured requests is unchanged.
-- 0.32's `AsyncScheduler._update_request_with_output` calls `super()` without
-  `is_stale`; `vllm_patch.v1.core.sched.async_scheduler` passes it through.
-
-Spec-decode stats: `make_spec_decoding_stats` caps accepted at the real
-(non-invalidated) drafts; the per-request metrics are capped in
-`vllm_patch.v1.metrics.stats`.
+Why inline: one Python frame per request costs about 1 % of the stock
+update, the whole budget for unstructured batches, so on the audited stock
+source (a fallback pin) the replacement carries the stock body inline;
+any other source gets the wrapper `_wrap_update` (same semantics).
+0.32 also rolls back `num_computed_tokens` on any stop trim, as 0.33 does.
+`make_spec_decoding_stats` caps accepted drafts at the real drafts.
 """
 
 from __future__ import annotations
@@ -109,7 +40,7 @@ from vllm_patch.patching import (
     vllm_version,
 )
 
-logger = logging.getLogger("vllm_patch")
+logger = logging.getLogger(__name__)
 
 TERMINATED = "terminated"
 REJECTED = "rejected"
@@ -446,8 +377,8 @@ def _inline_update(original: Callable, v032: bool) -> Callable:
     """Replacement that carries the audited stock body inline.
 
     Why not a wrapper: one Python call layer per request is about 1 % of
-    the stock per-request update, the whole budget for unstructured batches
-    (issue 3). So an unstructured request runs the stock body verbatim, with
+    the stock per-request update, the whole budget for unstructured batches.
+    So an unstructured request runs the stock body verbatim, with
     no extra frame (0.32: plus 0.33's stop-trim rollback, inside the stop
     branch only); a structured request runs the G2 cut (the xgrammar accept
     loop inline), the stock body on the kept tokens and the finish, in this
