@@ -23,11 +23,11 @@ def test_g1_scenario(scenario, check_scenario):
 
 def _normal_async_run(spec: int):
     """Async, batch queue 2: every bitmask row, scheduled set and draft list."""
-    h = g1._h(async_scheduling=True, num_spec_tokens=spec)  # noqa: SLF001
+    h = g1.harness(async_scheduling=True, num_spec_tokens=spec)
     h.engine_setup(2, g1.sampler, g1.drafter if spec else None)
     plain = h.add_request([h.tok(c) for c in "xyzx"], max_tokens=10)
     h.engine_step()
-    rids = g1._add(h, 3)  # noqa: SLF001
+    rids = g1.add_requests(h, 3)
     for _ in range(14):
         h.engine_step()
     h.engine_drain()
@@ -90,11 +90,11 @@ def test_unapplied_steps_tracking(patched):
 
     from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
-    h = g1._h(async_scheduling=True)  # noqa: SLF001
+    h = g1.harness(async_scheduling=True)
     h.scheduler.use_v2_model_runner = True
     h.scheduler.decode_stagger = 2
     h.engine_setup(3, g1.sampler)
-    (rid,) = g1._add(h, 1)  # noqa: SLF001
+    (rid,) = g1.add_requests(h, 1)
     h.engine_step()
     assert inflight.unapplied_steps(h.scheduler, rid) == 1
     h.scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
