@@ -396,30 +396,44 @@ def _wanted(patch: Patch, settings: envs.Settings) -> State | None:
     return None
 
 
+@dataclass
+class _Verified:
+    """A patch whose target, signature and pins check out, not installed yet."""
+
+    owner: Any
+    attr: str
+    original: Any
+    own: bool
+    drift: str
+
+
 def apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
-    """Apply one patch (idempotent). Never raises: any exception is the
-    outcome's ERROR state."""
+    """Verify and apply one patch (idempotent), regardless of its
+    guarantee's other patches (`apply_all` adds all-or-nothing). Never
+    raises: any exception is the outcome's ERROR state."""
+    result = _check(patch, settings)
+    if isinstance(result, _Verified):
+        result = _install(patch, result)
+    REGISTRY.outcomes[patch.name] = result
+    return result
+
+
+def _check(patch: Patch, settings: envs.Settings) -> Outcome | _Verified:
+    """The patch's outcome if it needs no (new) install, else _Verified."""
     try:
-        outcome = _apply_patch(patch, settings)
-    except Exception as exc:  # noqa: BLE001 - a patch must never stop vLLM
-        outcome = Outcome(patch, State.ERROR, _error_text(exc))
-    REGISTRY.outcomes[patch.name] = outcome
-    return outcome
-
-
-def _apply_patch(patch: Patch, settings: envs.Settings) -> Outcome:
-    unwanted = _wanted(patch, settings)
-    previous = REGISTRY.outcomes.get(patch.name)
-    if previous is not None and previous.state is State.APPLIED:
-        if _in_place(previous):
-            if unwanted is None:
+        unwanted = _wanted(patch, settings)
+        previous = REGISTRY.outcomes.get(patch.name)
+        if previous is not None and previous.state is State.APPLIED:
+            if _in_place(previous) and unwanted is None:
                 return previous  # idempotent: already in place
-        # Switched off since it was applied, or replaced behind our back:
-        # stock again, as reported.
-        revert_patch(patch.name)
-    if unwanted is not None:
-        return Outcome(patch, unwanted)
-    return _verify_and_apply(patch)
+            # Switched off since it was applied, or replaced behind our
+            # back: stock again, as reported.
+            revert_patch(patch.name)
+        if unwanted is not None:
+            return Outcome(patch, unwanted)
+        return _verify(patch)
+    except Exception as exc:  # noqa: BLE001 - a patch must never stop vLLM
+        return Outcome(patch, State.ERROR, _error_text(exc))
 
 
 def _in_place(outcome: Outcome) -> bool:
@@ -430,7 +444,7 @@ def _in_place(outcome: Outcome) -> bool:
     return getattr(current, NAME_ATTR, None) == patch.name
 
 
-def _verify_and_apply(patch: Patch) -> Outcome:
+def _verify(patch: Patch) -> Outcome | _Verified:
     version = vllm_version()
     series = version_series(version)
     if series not in KNOWN_SERIES:
@@ -461,29 +475,36 @@ def _verify_and_apply(patch: Patch) -> Outcome:
     blocking, tolerated = check_pins(patch, series)
     if blocking:
         return Outcome(patch, State.SOURCE_DRIFT, "; ".join(blocking))
-    drift = "; ".join(tolerated)
+    return _Verified(owner, attr, original, own, "; ".join(tolerated))
 
+
+def _install(patch: Patch, v: _Verified) -> Outcome:
+    """Install a verified patch. Never raises (ERROR state instead)."""
     if patch.per_instance:
         # Armed: wrap_instance() installs it on the objects it is given.
-        return Outcome(patch, State.APPLIED, "", owner, attr, own, original,
-                       impl="per-object wrapper", drift=drift)
-    replacement = patch.make(original)
-    holder = _tag_holder(replacement)
-    impl = getattr(holder, IMPL_ATTR, None) or (
-        "added attribute" if patch.new_attribute else "wrapper")
-    if callable(holder) and not isinstance(holder, type):
-        if inspect.isfunction(_tag_holder(original)) and inspect.isfunction(holder):
-            # Keep the replacement's own IMPL_ATTR: update_wrapper copies
-            # the original's __dict__ over it.
-            functools.update_wrapper(holder, _tag_holder(original))
-            setattr(holder, IMPL_ATTR, impl)
-        setattr(holder, NAME_ATTR, patch.name)
-        setattr(holder, ORIGINAL_ATTR, original)
-        setattr(holder, HAD_OWN_ATTR, own)
-    setattr(owner, attr, replacement)
+        return Outcome(patch, State.APPLIED, "", v.owner, v.attr, v.own,
+                       v.original, impl="per-object wrapper", drift=v.drift)
+    try:
+        replacement = patch.make(v.original)
+        holder = _tag_holder(replacement)
+        impl = getattr(holder, IMPL_ATTR, None) or (
+            "added attribute" if patch.new_attribute else "wrapper")
+        if callable(holder) and not isinstance(holder, type):
+            if inspect.isfunction(_tag_holder(v.original)) and \
+                    inspect.isfunction(holder):
+                # update_wrapper copies the original's __dict__: set the
+                # replacement's own implementation tag again after it.
+                functools.update_wrapper(holder, _tag_holder(v.original))
+                setattr(holder, IMPL_ATTR, impl)
+            setattr(holder, NAME_ATTR, patch.name)
+            setattr(holder, ORIGINAL_ATTR, v.original)
+            setattr(holder, HAD_OWN_ATTR, v.own)
+        setattr(v.owner, v.attr, replacement)
+    except Exception as exc:  # noqa: BLE001 - a patch must never stop vLLM
+        return Outcome(patch, State.ERROR, _error_text(exc))
     logger.debug("vllm_patch: applied %s to %s", patch.name, patch.target)
-    return Outcome(patch, State.APPLIED, "", owner, attr, own, original,
-                   impl=impl, drift=drift)
+    return Outcome(patch, State.APPLIED, "", v.owner, v.attr, v.own,
+                   v.original, impl=impl, drift=v.drift)
 
 
 def wrap_instance(name: str, obj: Any, *context: Any, force: bool = False) -> bool:
@@ -570,16 +591,32 @@ def apply_all(settings: envs.Settings) -> list[Outcome]:
     guarantee: when a required patch of a guarantee failed, its applied
     patches are withdrawn. Logs one line per unenforced guarantee; under
     VLLM_PATCH_STRICT=1 raises PatchError instead (after withdrawing)."""
+    # Verify everything first, so a guarantee that cannot be enforced is
+    # never installed in part, not even for a moment.
+    verified: dict[str, _Verified] = {}
     for patch in REGISTRY.patches.values():
-        apply_patch(patch, settings)
+        result = _check(patch, settings)
+        if isinstance(result, _Verified):
+            verified[patch.name] = result
+            REGISTRY.outcomes.pop(patch.name, None)
+        else:
+            REGISTRY.outcomes[patch.name] = result
+    doomed = {gid for gid in GUARANTEES if _failures(gid)}
+    for name, v in verified.items():
+        patch = REGISTRY.patches[name]
+        if patch.guarantee in doomed:
+            REGISTRY.outcomes[name] = Outcome(patch, State.WITHDRAWN)
+        else:
+            REGISTRY.outcomes[name] = _install(patch, v)
     unenforced: list[str] = []
     version = vllm_version()
     for gid, text in GUARANTEES.items():
         failures = _failures(gid)
         if failures:
             for o in list(REGISTRY.outcomes.values()):
-                if o.patch.guarantee == gid and o.state is State.APPLIED:
-                    revert_patch(o.patch.name)
+                if o.patch.guarantee == gid and \
+                        o.state in (State.APPLIED, State.WITHDRAWN):
+                    revert_patch(o.patch.name)  # no-op unless applied
                     REGISTRY.outcomes[o.patch.name] = Outcome(
                         o.patch, State.WITHDRAWN, "; ".join(failures))
             msg = (f"vllm_patch: {gid} ({text}) is NOT enforced on vLLM "
