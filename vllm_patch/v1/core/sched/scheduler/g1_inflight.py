@@ -1,75 +1,29 @@
 """G1 for vllm.v1.core.sched.scheduler: grammar state is current when it is used.
 
-One mechanism: the scheduler keeps a FIFO of its launched-but-unprocessed
-steps (one entry per `SchedulerOutput`, pushed by `_update_after_schedule`,
-popped by `update_from_output`; EngineCore processes every output exactly
-once, oldest first, in `step` and `step_with_batch_queue`). Each entry holds
-the ids of the structured-output requests whose grammar that step will
-advance (scheduled, not a prefill chunk). So, per request, the scheduler
-knows which launched steps are not yet applied to its grammar
-(`unapplied_steps()`; their number is the per-request count).
+The scheduler keeps a FIFO of its launched, not yet processed steps (pushed
+by `_update_after_schedule`, popped by `update_from_output`; EngineCore
+processes outputs once, oldest first), each with the structured requests
+whose grammar it will advance. So per request it knows the launched steps
+not yet applied to its grammar, and wherever stock uses grammar state:
 
-The invariant, checked at every point where stock uses grammar state:
+- `schedule`: a structured request joins a step only if every earlier step
+  of it is applied before this step's bitmask is built (sync: none in
+  flight; async: only the oldest, with sampling deferred as stock does at
+  batch queue 2); otherwise it is held back for one call (PP decode stagger
+  below the pipeline depth).
+- draft validation: drafts of a request with an unapplied step are stashed
+  (sync, batch queue) or left at -1 (async) and validated once it is applied.
+- outputs that never reach the grammar leave the FIFO (drop-mode preemption,
+  resumable stops, finish/abort); a failed KV load under `recompute` with
+  later steps in flight discards those steps' outputs.
 
-- schedule: a structured request may join a new step only if every earlier
-  step of it will be applied before this step's bitmask is built: none may
-  be in flight (sync `Scheduler`: the bitmask is built right after
-  `schedule()`), or only the oldest in-flight step (`AsyncScheduler`: the
-  step is then marked `pending_structured_output_tokens`, so EngineCore
-  defers sampling until that one batch is processed - what stock does at
-  batch queue 2). A request that would violate it is not scheduled this step
-  (gap 1: decode stagger below the pipeline depth), via the stock
-  `next_decode_eligible_step` skip, for one `schedule()` call.
-- `get_grammar_bitmask`: no row for a request that still has an earlier
-  unapplied step (only reachable if something bypassed the gate: a custom
-  scheduler/engine loop); corrected by preempting it in drop mode (its
-  in-flight outputs are discarded, it recomputes from committed tokens) and
-  leaving it out of this bitmask. Rows are also left out for steps whose
-  output is already known to be discarded (drop mode).
-- draft validation: `update_draft_token_ids` (sync `post_step`; with a
-  batch queue it runs before the newest batch is processed: gap 2) stashes
-  the drafts of a request with an unapplied step instead of validating them
-  against a stale grammar (which also stops the premature reschedule); they
-  are validated by the stock method at the first `schedule()` after the
-  step is applied. `update_draft_token_ids_in_output` (async) leaves the
-  placeholders of such a request at -1 (no acceptable drafts). Safety net
-  (sync): at `schedule()`, a request with a step in flight must have no
-  drafts (stock clears them when it launches the step, the stash keeps new
-  ones out); drafts found there were validated against a grammar missing
-  that step by something that bypassed the stash, and are dropped.
-- outputs that will never reach the grammar are removed from the FIFO:
-  preemption in drop mode (incl. `reset_prefix_cache`), resumable stops,
-  finished/aborted requests, and KV-load failures with the `recompute`
-  policy under async scheduling (gap C): stock skips the failed step but
-  leaves the request's later in-flight steps live (their token was sampled
-  after the discarded one, from a grammar that never saw it) and its
-  placeholders too high; the patch marks those later outputs drop-mode stale
-  (as `_preempt_request` does), zeroes the placeholders and truncates
-  `num_computed_tokens` to the tokens before the first in-flight step.
-
-Two classes of events, counted per scheduler (`stats()`) and per process
-(`COUNTS`), each kind logged once per process:
-
-- the mechanism's normal work (`WORK`): holding a request back (`schedule`),
-  stashing drafts (`drafts-sync`), leaving async draft slots at -1
-  (`drafts-async`), the KV-recompute correction (`kv-recompute`). vLLM's own
-  engine flows need these (PP decode stagger below the pipeline depth, sync
-  scheduling with a batch queue, a failed KV load under async); they never
-  raise.
-- the safety net (`SAFETY_NET`): stale grammar state would actually be used
-  despite the mechanism, which only a bug in vLLM or a custom scheduler /
-  engine loop that bypasses it can cause: a bitmask requested while an
-  earlier step of the request is unapplied (`bitmask`), drafts validated
-  while a step of the request was unapplied (`drafts-stale`). Corrected and
-  logged as a warning; `VLLM_PATCH_STRICT_RUNTIME=1` raises
-  `StaleGrammarError` instead.
-
-Fast paths: with no in-flight step older than the one at hand (sync without
-batch queue, async at batch queue 2) every check is a length test or one set
-intersection; bitmasks, schedules and drafts are identical to stock there.
-
-Gap 3 (PP + async + spec: drafts of the wrong batch) is worker-side (the
-runner keeps one draft slot); not handled here.
+That is the mechanism's normal work (`WORK`: counted, logged once per kind,
+never raised). The safety nets (`SAFETY_NET`) fire only when something
+bypassed it: a bitmask, or drafts validated, for a request whose earlier step
+is unapplied; corrected and warned about, or raised as `StaleGrammarError`
+under `VLLM_PATCH_STRICT_RUNTIME=1`. With no older step in flight every check
+is a length test or one set intersection. Drafts of the wrong batch under PP
++ async (a worker-side slot) are not handled here.
 """
 
 from __future__ import annotations
