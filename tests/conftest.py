@@ -33,7 +33,9 @@ def patched() -> bool:
 @pytest.fixture
 def check_scenario(patched):
     """Run a conformance scenario as a guarantee test: patched (and every
-    control) must hold; stock must show the failure the patch removes."""
+    control) must hold; stock must report exactly the violations the
+    scenario declares (`Scenario.stock_violations`): the failure the patch
+    removes, not just any failure."""
     from vllm_patch.patching import version_series, vllm_version
 
     series = version_series(vllm_version())
@@ -45,8 +47,12 @@ def check_scenario(patched):
         if patched or not scenario.stock_fails:
             assert violations == []
         else:
-            assert violations != [], (
-                f"stock vLLM unexpectedly holds {scenario.guarantee} here")
+            expected = scenario.expected_stock(series)
+            assert expected, (f"{scenario.name} declares no stock violations "
+                              f"for vLLM {series}")
+            assert violations == expected, (
+                f"stock vLLM {series} does not fail {scenario.guarantee} as "
+                f"{scenario.name} expects")
         return violations
 
     return check

@@ -10,6 +10,9 @@ A scenario module (listed in `SCENARIO_MODULES`) exposes
 guarantee it observed, `[]` when the guarantee holds. It must build what it
 needs itself (scheduler, grammar, ...) after `vllm_patch.register()` has run,
 which the child entry point (`python -m vllm_patch.conformance`) does first.
+A scenario that stock vLLM fails names the exact violations stock reports
+(`stock_violations`): the failure the patch removes, so a stock run that
+fails for another reason is noticed.
 
 This module stays import-light (no vLLM import) so scenario modules and the
 CLI can import it cheaply.
@@ -21,7 +24,7 @@ import importlib
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 GUARANTEE_IDS: tuple[str, ...] = ("G1", "G2", "G3", "G4")
 
@@ -44,12 +47,27 @@ class Scenario:
     run: Callable[[], list[str]]   # violations of the guarantee; [] = holds
     stock_fails: bool = True       # False for controls stock already gets right
     series: tuple[str, ...] = ("0.32", "0.33")
+    # What `run()` returns on stock vLLM (VLLM_PATCH_DISABLE=1), in order:
+    # the same for every series, or {series: violations} where they differ.
+    # Empty for a control (stock_fails=False).
+    stock_violations: Sequence[str] | Mapping[str, Sequence[str]] = ()
 
     def __post_init__(self) -> None:
         if self.guarantee not in GUARANTEE_IDS:
             raise ValueError(
                 f"scenario {self.name}: guarantee must be one of {GUARANTEE_IDS}"
             )
+        if self.stock_violations and not self.stock_fails:
+            raise ValueError(f"scenario {self.name}: a control (stock_fails="
+                             "False) cannot list stock violations")
+
+    def expected_stock(self, series: str) -> list[str]:
+        """The violations stock vLLM of `series` reports ([] if none is
+        declared)."""
+        expected = self.stock_violations
+        if isinstance(expected, Mapping):
+            expected = expected.get(series, ())
+        return list(expected)
 
 
 class LoadError(Exception):

@@ -12,7 +12,8 @@ was launched (all earlier launched steps applied). [] means G1 holds.
 The fake model wants "abab..." (grammar `(ab)+`): at an even output length
 it prefers `a`, else `b`, and takes the first of a/b the row allows. The
 fake drafter always proposes `a b a`, valid in one phase only, so a draft
-list validated one token late differs from the reference.
+list validated one token late differs from the reference. Violations name
+tiny-tokenizer ids (a 70, b 71).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class Reference:
 
 def check(h, rids: list[str]) -> list[str]:
     """Every bitmask row / validated draft list of `rids` vs the reference."""
-    ref = _ref(h)
+    ref = reference(h)
     v: list[str] = []
     for n, rec in enumerate(h.steps):
         for rid, rows in (rec.bitmask_rows or {}).items():
@@ -160,7 +161,8 @@ def _run(h, rids: list[str], steps: int) -> list[str]:
     return check(h, rids)
 
 
-def _ref(h) -> Reference:
+def reference(h) -> Reference:
+    """The harness's reference grammars (created on first use)."""
     ref = h.__dict__.get("_g1_reference")
     if ref is None:
         ref = h.__dict__["_g1_reference"] = Reference(h)
@@ -174,14 +176,14 @@ def add_requests(h, n: int = 1, max_tokens: int = 12, prompt=None) -> list[str]:
     rids = [h.add_request(p, regex=REGEX, ignore_eos=True, max_tokens=max_tokens)
             for _ in range(n)]
     for rid in rids:
-        _ref(h).add(rid)
+        reference(h).add(rid)
     return rids
 
 
-# The former private names, until tests/v1/core/test_g1_inflight.py moves to
-# `harness` / `add_requests`.
+# The former private names, until the G1 tests move to the public ones.
 _h = harness
 _add = add_requests
+_ref = reference
 
 
 # ----------------------------------------------------------------- scenarios
@@ -310,15 +312,39 @@ SCENARIOS: list[Scenario] = [
              async_queue(5, stagger=4), stock_fails=False),
     Scenario("g1-gap1-queue3-stagger1", "G1",
              "gap 1: async, batch queue 3, decode stagger 1 (XPU microbatch off)",
-             async_queue(3, stagger=1)),
+             async_queue(3, stagger=1),
+             stock_violations=(
+                 "step 2: r1 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)",
+                 "step 2: r2 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)")),
     Scenario("g1-gap1-queue3-stagger1-spec", "G1",
-             "gap 1 with 3 drafts", async_queue(3, stagger=1, spec=3)),
+             "gap 1 with 3 drafts", async_queue(3, stagger=1, spec=3),
+             stock_violations=(
+                 "step 2: r1 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)",
+                 "step 2: r2 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)",
+                 "step 2: r1 drafts validated against a stale grammar: "
+                 "scheduled [70, 71, 70], reference []",
+                 "step 2: r2 drafts validated against a stale grammar: "
+                 "scheduled [70, 71, 70], reference []")),
     Scenario("g1-gap1-queue5-stagger2", "G1",
              "gap 1: async, batch queue 5, decode stagger 2 < pp",
-             async_queue(5, stagger=2)),
+             async_queue(5, stagger=2),
+             stock_violations=(
+                 "step 3: r1 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)",
+                 "step 3: r2 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)")),
     Scenario("g1-gap2-sync-batch-queue-drafts", "G1",
              "gap 2: sync scheduler, batch queue 2, 3 drafts",
-             sync_batch_queue_drafts),
+             sync_batch_queue_drafts,
+             stock_violations=(
+                 "step 1: r0 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)",
+                 "step 1: r0 drafts validated against a stale grammar: "
+                 "scheduled [70, 71, 70], reference []")),
     Scenario("g1-sync-drafts", "G1", "sync EngineCore.step + drafts (control)",
              sync_no_queue_drafts, stock_fails=False),
     Scenario("g1-preempt-resume", "G1",
@@ -332,5 +358,10 @@ SCENARIOS: list[Scenario] = [
              abort_in_flight, stock_fails=False),
     Scenario("g1-gapC-kv-recompute-async", "G1",
              "gap C: async + KV-load failure with recompute policy",
-             kv_recompute_async),
+             kv_recompute_async,
+             stock_violations=(
+                 "step 1: r0 bitmask row 0 built from a stale grammar (worker "
+                 "had 1 output tokens)",
+                 "step 2: r0 bitmask row 0 built from a stale grammar (worker "
+                 "had 0 output tokens)")),
 ]

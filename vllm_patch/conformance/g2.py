@@ -9,7 +9,7 @@ EOS 1 (tokenizer EOS), IM_END 3 (generation-config EOS), </think> 5.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from vllm_patch.conformance import Scenario
 
@@ -434,56 +434,102 @@ def _all_free() -> list[str]:
 
 
 def _s(name: str, description: str, run: Callable[[], list[str]],
-       stock_fails: bool = True, series: tuple[str, ...] = ("0.32", "0.33")
-       ) -> Scenario:
+       stock_fails: bool = True, series: tuple[str, ...] = ("0.32", "0.33"),
+       stock: Sequence[str] | Mapping[str, Sequence[str]] = ()) -> Scenario:
     return Scenario(name=name, guarantee="G2", description=description, run=run,
-                    stock_fails=stock_fails, series=series)
+                    stock_fails=stock_fails, series=series,
+                    stock_violations=stock)
+
+
+# Stock's violations name tiny-tokenizer ids: a 70, b 71, c 72, d 73, x 93,
+# y 94 (EOS 1, <|im_end|> 3, </think> 5).
+_NOT_STOPPED = "finish_reason None, want stop"
+_RUNNING = "status RUNNING, want FINISHED_STOPPED"
+_HELD_R0 = "blocks held at idle: {} (by ['r0'])"
+
+
+def _after_end(tokens: list[int]) -> str:
+    return f"emitted {len(tokens)} token(s) after the grammar's end: {tokens}"
+
+
+def _rows(rows: int, valid: int) -> str:
+    return f"logprob rows {rows} > grammar-valid tokens {valid}"
 
 
 SCENARIOS: list[Scenario] = [
     _s("g2-p1-xgrammar-eos-mid-step",
        "P1: xgrammar, ignore_eos, drafts [b, EOS], bonus c after the terminal",
-       _post_terminal("xgrammar", EOS, None)),
+       _post_terminal("xgrammar", EOS, None),
+       stock=(_after_end([72, 73]), _rows(5, 3), _NOT_STOPPED, _RUNNING,
+              _HELD_R0.format(2))),
     _s("g2-p1-terminal-first-draft",
        "P1: the first draft is the terminal, bonus after it",
-       _terminal_first_draft),
+       _terminal_first_draft,
+       stock=(_after_end([72, 73]), _rows(4, 2), _NOT_STOPPED,
+              _HELD_R0.format(2))),
     _s("g2-p1-terminal-bonus",
        "P1: the bonus token is the terminal: nothing dropped, finish now",
-       _terminal_bonus("xgrammar")),
+       _terminal_bonus("xgrammar"),
+       stock=(_after_end([73]), _rows(5, 4), _NOT_STOPPED, _HELD_R0.format(2))),
     _s("g2-p2-genconfig-eos",
        "P2: terminal is the generation-config EOS <|im_end|> under ignore_eos",
-       _post_terminal("xgrammar", IM_END, IM_END)),
+       _post_terminal("xgrammar", IM_END, IM_END),
+       stock=(_after_end([72, 73]), _rows(5, 3), _NOT_STOPPED, _RUNNING,
+              _HELD_R0.format(2))),
     _s("g2-p3-async-post-terminal-drafts",
        "P3: AsyncScheduler, runner accepts its post-terminal draft; ignore_eos",
-       _async(True, overlap=False)),
+       _async(True, overlap=False),
+       stock=(_after_end([72, 73]), _rows(5, 3), _NOT_STOPPED,
+              "spec stats: 2 drafts, 3 accepted", _HELD_R0.format(2))),
     _s("g2-p3-async-overlap",
        "P3 with the next step in flight when the grammar ends: its output is "
-       "dropped, blocks freed", _async(True, overlap=True)),
+       "dropped, blocks freed", _async(True, overlap=True),
+       stock=(_after_end([72, 73, 73, 73, 73, 73]), _rows(9, 3), _NOT_STOPPED,
+              "spec stats: 2 drafts, 6 accepted", _HELD_R0.format(3))),
     _s("g2-p3-async-stats",
        "P3: AsyncScheduler without ignore_eos: output right, stats 2 drafts/3 "
-       "accepted on stock", _async(False, overlap=False)),
+       "accepted on stock", _async(False, overlap=False),
+       stock={"0.32": ("num_computed_tokens 8 > num_tokens - 1 = 6",
+                       "spec stats: 2 drafts, 3 accepted",
+                       "num_output_placeholders 2 after finish"),
+              "0.33": ("spec stats: 2 drafts, 3 accepted",)}),
     _s("g2-p4-guidance", "P4: guidance, ignore_eos, token after EOS",
-       _post_terminal("guidance", EOS, None)),
+       _post_terminal("guidance", EOS, None),
+       stock=(_after_end([72]), _rows(4, 3), "finish_reason error, want stop",
+              "status FINISHED_ERROR, want FINISHED_STOPPED")),
     _s("g2-p4-guidance-bonus", "P4: guidance, terminal is the bonus",
-       _terminal_bonus("guidance")),
+       _terminal_bonus("guidance"),
+       stock=(_after_end([73]), _rows(5, 4), _NOT_STOPPED, _HELD_R0.format(2))),
     _s("g2-p5-outlines", "P5: outlines, ignore_eos, token after EOS",
-       _post_terminal("outlines", EOS, None)),
+       _post_terminal("outlines", EOS, None),
+       stock=(_after_end([72, 73]), _rows(5, 3), _NOT_STOPPED, _RUNNING,
+              _HELD_R0.format(2))),
     _s("g2-p5-outlines-bonus", "P5: outlines, terminal is the bonus",
-       _terminal_bonus("outlines")),
-    _s("g2-p6-rejection-xgrammar",
-       "P6: a grammar-invalid token mid-step: only the valid prefix, error",
-       _rejection("xgrammar")),
-    _s("g2-p6-rejection-guidance", "P6 with guidance", _rejection("guidance")),
-    _s("g2-p6-rejection-outlines", "P6 with outlines", _rejection("outlines")),
+       _terminal_bonus("outlines"),
+       stock=(_after_end([73]), _rows(5, 4), _NOT_STOPPED, _HELD_R0.format(2))),
+    *[_s(f"g2-p6-rejection-{be}",
+         "P6: a grammar-invalid token mid-step: only the valid prefix, error"
+         if be == "xgrammar" else f"P6 with {be}", _rejection(be),
+         stock=("emitted 2 token(s) past the grammar-valid prefix: [93, 94]",
+                _rows(4, 2)))
+      for be in ("xgrammar", "guidance", "outlines")],
     _s("g2-p7-reasoning-boundary",
        "P7: </think>, grammar and terminal in one step (deepseek_r1)",
-       _reasoning),
+       _reasoning,
+       stock=(_after_end([93, 94]), _rows(6, 4), _NOT_STOPPED,
+              _HELD_R0.format(3))),
     _s("g2-no-spec-single-token-steps",
        "single-token steps, no speculation, ignore_eos: stop at the terminal",
-       _no_spec),
+       _no_spec,
+       stock=(_after_end([72, 73]), _rows(5, 3), _NOT_STOPPED,
+              _HELD_R0.format(2))),
     *[_s(f"g2-multi-step-{be}",
          f"{be}: a fully accepted k+1 step, terminal on a later step",
-         _multi_step(be)) for be in ("xgrammar", "guidance", "outlines")],
+         _multi_step(be),
+         stock=(_after_end([94] if be == "guidance" else [93, 94]),
+                _rows(7 if be == "guidance" else 8, 6), _NOT_STOPPED,
+                _HELD_R0.format(3)))
+      for be in ("xgrammar", "guidance", "outlines")],
     _s("g2-c1-eos-without-ignore-eos",
        "C1: EOS terminal without ignore_eos: stock trims right",
        _c1, stock_fails=False),
@@ -505,14 +551,37 @@ SCENARIOS: list[Scenario] = [
       for n in (2, 3)],
     _s("g2-stop-trim-rollback-0.32",
        "0.32: a stop trim rolls back num_computed_tokens (as 0.33 does)",
-       _stop_trim_rollback, series=("0.32",)),
+       _stop_trim_rollback, series=("0.32",),
+       stock=("sync: num_computed_tokens 7 > num_tokens - 1 = 6 after a stop "
+              "trim",
+              "async: num_computed_tokens 8 > num_tokens - 1 = 6 after a stop "
+              "trim")),
     *[_s(f"g2-prefix-cache-probe-bs{bs}",
          f"block size {bs}: the dropped token completes a block; no later "
-         "prefix hit through it", _prefix_probe(bs)) for bs in (2, 4, 8)],
+         "prefix hit through it", _prefix_probe(bs),
+         stock=(_after_end([72, 73, 73]), _rows(6, 3), _NOT_STOPPED,
+                "prefix-cache hit 8 tokens > 7 committed: a cached block holds "
+                "dropped tokens",
+                f"{hashes} block hashes cover {hashes * bs} tokens > 7 committed",
+                _HELD_R0.format(held)))
+      for bs, hashes, held in ((2, 5, 5), (4, 2, 3), (8, 1, 2))],
     _s("g2-mixed-concurrency",
        "structured (terminal at first/middle/bonus) and unstructured requests "
-       "in the same batches", _mixed),
+       "in the same batches", _mixed,
+       stock=("r0: " + _after_end([72, 73]), "r0: " + _rows(4, 2),
+              "r0: " + _NOT_STOPPED,
+              "r1: " + _after_end([72, 73]), "r1: " + _rows(5, 3),
+              "r1: " + _NOT_STOPPED,
+              "r2: " + _after_end([73]), "r2: " + _rows(5, 4),
+              "r2: " + _NOT_STOPPED,
+              "blocks held at idle: 6 (by ['r0', 'r1', 'r2'])")),
     _s("g2-every-block-free",
        "every backend, sync and async: all blocks free once grammars ended",
-       _all_free),
+       _all_free,
+       # guidance: stock's grammar rejects the token after EOS, so the
+       # request ends in an error and its blocks are freed.
+       stock=("xgrammar/sync: blocks held at idle: 2",
+              "xgrammar/async: blocks held at idle: 2",
+              "outlines/sync: blocks held at idle: 2",
+              "outlines/async: blocks held at idle: 2")),
 ]

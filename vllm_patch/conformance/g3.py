@@ -443,40 +443,78 @@ def _draft_skip(async_: bool, goes_on: bool) -> Callable[[], list[str]]:
     return run
 
 
+def _post_terminal_stock(stops: str) -> tuple[str, ...]:
+    """Stock, async: the V1 runner verifies the worker's draft c after
+    [b, EOS] against all-ones rows and accepts it (ids: a 70, b 71, c 72,
+    d 73, EOS 1)."""
+    return ("r0: runner accepted 3 drafts, only 2 acceptable (sampled "
+            "[71, 1, 72, 73])",
+            f"r0: row 2 after the terminal draft allows all tokens, not only "
+            f"stop tokens {stops}",
+            f"r0: row 3 after the terminal draft allows all tokens, not only "
+            f"stop tokens {stops}",
+            "r0: token 72 sampled after the terminal is not a stop token",
+            "spec stats: 3 accepted > 2 drafted")
+
+
+def _rows_after_invalid(first: int) -> tuple[str, ...]:
+    return tuple(f"r0: row {i} after the first invalid draft allows all "
+                 "tokens, not the valid-prefix row" for i in range(first, 4))
+
+
 SCENARIOS: list[Scenario] = [
     Scenario("g3-async-post-terminal-draft-xgrammar", "G3",
              "async, V1 runner, xgrammar: worker drafts [b, EOS, c] after 'a' "
              "(regex ab); c must not be verified against an all-ones row",
-             _post_terminal("xgrammar", ignore_eos=False, async_=True)),
+             _post_terminal("xgrammar", ignore_eos=False, async_=True),
+             stock_violations=_post_terminal_stock("[1, 3]")),
     Scenario("g3-async-post-terminal-draft-ignore-eos", "G3",
              "as above with ignore_eos=True (grammar stops: EOS, <|im_end|>)",
-             _post_terminal("xgrammar", ignore_eos=True, async_=True)),
+             _post_terminal("xgrammar", ignore_eos=True, async_=True),
+             stock_violations=_post_terminal_stock("[1, 3]")),
     Scenario("g3-async-post-terminal-draft-guidance", "G3",
              "async, V1 runner, guidance, ignore_eos=True",
-             _post_terminal("guidance", ignore_eos=True, async_=True)),
+             _post_terminal("guidance", ignore_eos=True, async_=True),
+             stock_violations=_post_terminal_stock("[1]")),
     Scenario("g3-async-post-terminal-draft-outlines", "G3",
              "async, V1 runner, outlines, ignore_eos=True",
-             _post_terminal("outlines", ignore_eos=True, async_=True)),
+             _post_terminal("outlines", ignore_eos=True, async_=True),
+             stock_violations=_post_terminal_stock("[1]")),
     Scenario("g3-sync-bonus-after-terminal-draft", "G3",
              "sync: drafts validated to [b, EOS]; the bonus row after the "
              "terminal must allow only stop tokens",
-             _post_terminal("xgrammar", ignore_eos=True, async_=False)),
+             _post_terminal("xgrammar", ignore_eos=True, async_=False),
+             stock_violations=(
+                 "r0: row 2 after the terminal draft allows all tokens, not "
+                 "only stop tokens [1, 3]",
+                 "r0: token 72 sampled after the terminal is not a stop token")),
     Scenario("g3-async-invalid-draft", "G3",
              "async: worker drafts [b, x, c] (x invalid); rows after the "
              "first invalid position are the valid-prefix row",
-             _invalid(async_unvalidated=False)),
+             _invalid(async_unvalidated=False),
+             stock_violations=_rows_after_invalid(2)),
     Scenario("g3-async-unvalidated-drafts", "G3",
              "async: worker drafts never reached the scheduler (all -1); the "
              "V1 runner must not accept them (x after 'ab' is invalid)",
-             _invalid(async_unvalidated=True)),
+             _invalid(async_unvalidated=True),
+             stock_violations=(
+                 "r0: runner accepted 3 drafts, only 0 acceptable (sampled "
+                 "[71, 93, 93, 93])",
+                 *_rows_after_invalid(1),
+                 "r0: sampled [71, 93, 93, 93] is not grammar-valid after 'a'")),
     Scenario("g3-no-drafts-after-grammar-end-sync", "G3",
              "sync, V1 runner, draft_model: every request of the batch samples "
              "its grammar's stop token; the drafter must not run",
-             _draft_skip(async_=False, goes_on=False)),
+             _draft_skip(async_=False, goes_on=False),
+             stock_violations=(
+                 "drafter ran (drafter) for a batch whose every grammar ended",)),
     Scenario("g3-no-drafts-after-grammar-end-async", "G3",
              "async: as above, and in the in-flight follow-up step (the "
              "scheduler already finished the requests) the drafter must not run",
-             _draft_skip(async_=True, goes_on=False)),
+             _draft_skip(async_=True, goes_on=False),
+             stock_violations=(
+                 "drafter ran (drafter) for a batch whose every grammar ended",
+                 "drafter ran (drafter) in the in-flight step after the end")),
     Scenario("g3-drafts-while-a-grammar-goes-on", "G3",
              "control: one request ends, one goes on: the drafter runs as in "
              "stock", _draft_skip(async_=True, goes_on=True), stock_fails=False),

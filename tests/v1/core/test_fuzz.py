@@ -1,10 +1,11 @@
-"""Issue 8: property-based fuzzing of grammar x spec decode x scheduling
-over the real scheduler (vllm_patch.testing.fuzz).
+"""Property-based fuzzing of grammar x spec decode x scheduling over the
+real scheduler (vllm_patch.testing.fuzz).
 
 Patched: no invariant violation and no escaping exception in any episode
 (hypothesis shrinks a failure; add the shrunk episode to regressions/).
-Stock (VLLM_PATCH_DISABLE=1): the same budget must find violations (G2:
-post_terminal / grammar_prefix), so this test can fail.
+Stock (VLLM_PATCH_DISABLE=1): the same budget must find G2's failures
+(post_terminal and grammar_prefix) and nothing the patches do not remove,
+so this test can fail.
 
 Episodes include KV-connector episodes (NixlConnector scheduler side,
 simulated worker: loads and sends, failures with kv_load_failure_policy
@@ -23,6 +24,8 @@ import collections
 import os
 
 import pytest
+
+from vllm_patch.patching import version_series, vllm_version
 
 pytestmark = [pytest.mark.scheduler, pytest.mark.usefixtures("quiet_vllm_patch_log")]
 
@@ -101,7 +104,13 @@ def test_fuzz_stock_breaks(patched):
 
     _run(record, shrink=False)
     print(f"stock: {episodes[0]} episodes; episodes violating: {dict(counts)}")
-    assert counts, f"stock vLLM broke no property in {episodes[0]} episodes"
-    # G2 on stock: tokens after the grammar's end / grammar-invalid tokens
-    # are committed.
-    assert counts.keys() & {"post_terminal", "grammar_prefix"}
+    # G2 on stock: tokens after the grammar's end and grammar-invalid tokens
+    # are committed (and the grammar is left out of step with them).
+    assert {"post_terminal", "grammar_prefix"} <= counts.keys(), dict(counts)
+    # Nothing else: stock holds every KV-lifecycle property; only 0.32 also
+    # leaves num_computed_tokens above num_tokens when it trims a step's
+    # tokens (G2's 0.32 rollback).
+    removed = {"post_terminal", "grammar_prefix", "grammar_sync"}
+    if version_series(vllm_version()) == "0.32":
+        removed.add("computed_le_tokens")
+    assert counts.keys() <= removed, dict(counts)

@@ -1,4 +1,4 @@
-"""Issue 8: the runtime invariant checker (vllm_patch.v1.core.sched.invariants)."""
+"""The runtime invariant checker (vllm_patch.v1.core.sched.scheduler.invariants)."""
 
 from __future__ import annotations
 
@@ -66,8 +66,10 @@ def test_raises_with_request_and_state(patched):
     with pytest.raises(inv.InvariantViolation) as ei:
         _post_terminal_run(h)
     e = ei.value
-    assert e.invariant in ("post_terminal", "grammar_sync")
-    assert e.request_id == "r0"
+    # Stock commits c (72), the token after the terminal EOS: a b EOS c.
+    assert (e.invariant, e.request_id) == ("post_terminal", "r0")
+    assert "token 72 committed at output position 3" in e.detail
+    assert e.state["output_token_ids"] == [70, 71, EOS, 72]
     assert "num_computed_tokens" in e.state
 
 

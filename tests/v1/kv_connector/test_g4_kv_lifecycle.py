@@ -55,7 +55,7 @@ def test_kv_load_overlaps_grammar_compile(patched, async_scheduling):
         h.sched.update_from_output(so, h.model_output(so))
         h.kv_arrived(rid)
         h.run_to_idle()
-        assert h.finish_reason(rid) is not None
+        assert h.finish_reason(rid) == "stop"
         h.assert_idle_no_leak()
         return
 
@@ -174,6 +174,27 @@ def test_no_remote_params_is_stock(patched):
     assert _status(h.requests[rid]) == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
     assert h.held_blocks() == 0
     h.sched.update_from_output(so, h.model_output(so))
+    h.release_grammar(rid)
+    h.run_to_idle()
+    assert h.finish_reason(rid) == "stop"
+    h.assert_idle_no_leak()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_request_waits_for_its_grammar(patched, async_scheduling):
+    """A request that skips reading the prefix cache (prompt logprobs): stock
+    schedule() turns the connector's "cannot decide yet" into "nothing to
+    load", so the early lookup must not be started for it; it keeps the stock
+    order and is never scheduled before its grammar is ready."""
+    h = PDDecodeSched(async_scheduling=async_scheduling)
+    rid = h.add_remote_request(prompt_len=40, hold_grammar=True, prompt_logprobs=1)
+    req = h.requests[rid]
+    assert req.skip_reading_prefix_cache
+    for _ in range(3):
+        so = h.schedule()
+        assert rid not in so.num_scheduled_tokens, "scheduled before its grammar"
+        assert _status(req) == "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR"
+        h.sched.update_from_output(so, h.model_output(so))
     h.release_grammar(rid)
     h.run_to_idle()
     assert h.finish_reason(rid) == "stop"
