@@ -6,9 +6,10 @@ grammar (`vllm_patch.testing.harness`), builds the real grammar bitmask, and
 then samples through the real V1 runner entry point
 `GPUModelRunner.sample_tokens` (patched or stock) on a stand-in runner
 object: vLLM's own `apply_grammar_bitmask` and V1 `rejection_sample` (greedy)
-run on real CPU tensors; only the model (its logits) is scripted. Under
-async scheduling the stand-in verifies the WORKER's drafts, as the V1 runner
-does, not the scheduler's -1-padded copy.
+run on real CPU tensors (where vLLM's compiled extension is absent, e.g. a
+bare Python tree, the greedy kernel's rule in Python); only the model (its
+logits) is scripted. Under async scheduling the stand-in verifies the
+WORKER's drafts, as the V1 runner does, not the scheduler's -1-padded copy.
 
 Checked per scenario (violations listed, [] = G3 holds):
 - rows after a terminal draft allow only the grammar's stop tokens;
@@ -21,6 +22,7 @@ Checked per scenario (violations listed, [] = G3 holds):
 
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
 from typing import Any, Callable
 
@@ -57,17 +59,17 @@ class _StandInRunner:
 
         target = logits[meta.target_logits_indices]
         bonus = logits[meta.bonus_logits_indices].argmax(dim=-1).to(torch.int64)
-        try:
+        if importlib.util.find_spec("vllm._C") is None:
+            # vLLM's Python tree without its compiled extension: no kernel
+            # to run, so the V1 greedy kernel's rule
+            # (rejection_greedy_sample_kernel) in Python.
+            out = _greedy_rule(meta, target.argmax(dim=-1).tolist(), bonus.tolist())
+        else:  # the real sampler; a changed API is an error of the scenario
             out = rejection_sample(
                 meta.draft_token_ids, meta.num_draft_tokens, meta.max_spec_len,
                 meta.cu_num_draft_tokens, None, target, bonus.contiguous(),
                 SimpleNamespace(all_greedy=True, all_random=False, generators={}),
             )
-        except (AttributeError, TypeError, RuntimeError):
-            # No runnable kernel (vLLM 0.33's Python package over 0.32's CPU
-            # C extension has no C++ stand-in): the V1 greedy kernel's rule
-            # (rejection_greedy_sample_kernel) in Python.
-            out = _greedy_rule(meta, target.argmax(dim=-1).tolist(), bonus.tolist())
         return SimpleNamespace(sampled_token_ids=out)
 
     def _update_states_after_model_execute(self, sampled_token_ids: Any,

@@ -30,9 +30,15 @@ def test_mask_sets_minus_one_and_sampler_rejects():
 
 def test_v1_rejection_sampler_rejects_masked_draft():
     """vLLM's own V1 greedy rejection sampler (CPU kernels) on a draft the
-    target agrees with: accepted as is, rejected once masked to -1."""
+    target agrees with: accepted as is, rejected once masked to -1. A
+    changed `rejection_sample` API fails here; only a vLLM Python tree
+    without its compiled extension (no kernel to run) is skipped."""
+    import importlib.util
     from types import SimpleNamespace
 
+    if importlib.util.find_spec("vllm._C") is None:
+        pytest.skip("vLLM's compiled extension (vllm._C) is not installed: "
+                    "no V1 rejection kernel to run")
     from vllm.platforms import current_platform
     from vllm.v1.sample.rejection_sampler import rejection_sample
 
@@ -45,13 +51,10 @@ def test_v1_rejection_sampler_rejects_masked_draft():
     meta = SimpleNamespace(all_greedy=True, all_random=False, generators={})
 
     def sample(draft):
-        try:
-            out = rejection_sample(draft, [3], 3, torch.tensor([3], dtype=torch.int32),
-                                   None, logits.clone(),
-                                   torch.tensor([[2]], dtype=torch.int64).view(-1),
-                                   meta)
-        except (AttributeError, TypeError, RuntimeError) as exc:
-            pytest.skip(f"no runnable V1 rejection kernel here: {exc}")
+        out = rejection_sample(draft, [3], 3, torch.tensor([3], dtype=torch.int32),
+                               None, logits.clone(),
+                               torch.tensor([[2]], dtype=torch.int64).view(-1),
+                               meta)
         return [t for t in out[0].tolist() if t >= 0]
 
     drafts = torch.tensor([3, 1, 9], dtype=torch.int32)
