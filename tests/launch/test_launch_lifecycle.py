@@ -98,7 +98,7 @@ def test_placement_routing_teardown(ray_cluster, node_of_resource):
 def test_placement_by_node_labels(ray_cluster, node_of_resource):
     cfg = config(prefill={"node_labels": {"pd-role": "prefill"}},
                  decode={"node_labels": {"pd-role": "decode"}, "count": 2})
-    with Deployment(cfg, progress=lambda s: None) as dep:
+    with Deployment(cfg) as dep:
         assert {i.name: i.info["node_id"] for i in dep.instances} == {
             "prefill-0": node_of_resource["prefill_node"],
             "decode-0": node_of_resource["decode_node"],
@@ -106,13 +106,12 @@ def test_placement_by_node_labels(ray_cluster, node_of_resource):
         assert ask(dep.url)["served_by"]["role"] == "decode"
     with pytest.raises(LaunchError, match="no node of the Ray cluster carries the labels "
                        r"\{'pd-role': 'gpu'\} asked for decode"):
-        with Deployment(config(decode={"node_labels": {"pd-role": "gpu"}}),
-                        progress=lambda s: None):
+        with Deployment(config(decode={"node_labels": {"pd-role": "gpu"}})):
             pass
 
 
 def test_killed_instance_is_restarted(ray_cluster):
-    with Deployment(config(max_restarts=2), progress=lambda s: None) as dep:
+    with Deployment(config(max_restarts=2)) as dep:
         dec = dep.role_instances("decode")[0]
         before = ask(dep.url)["served_by"]
         os.kill(before["pid"], signal.SIGKILL)
@@ -134,7 +133,7 @@ def test_killed_instance_is_restarted(ray_cluster):
 def test_dead_supervisor_takes_its_server_along(ray_cluster):
     """The actor's process dies (node agent kill, OOM): its server and the
     server's child stop too (PDEATHSIG), and the deployment reports it."""
-    with Deployment(config(), progress=lambda s: None) as dep:
+    with Deployment(config()) as dep:
         dec = dep.role_instances("decode")[0]
         pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == dec.status["pid"]]
         assert len(pids) == 2
@@ -150,7 +149,7 @@ def test_restarts_are_bounded(ray_cluster):
                                          "env": {"STANDIN_CRASH_AFTER_S": "0.3"}})
     deadline = time.monotonic() + 60
     with pytest.raises(LaunchError) as e:
-        with Deployment(cfg, progress=lambda s: None) as dep:  # may be healthy first
+        with Deployment(cfg) as dep:  # may be healthy first
             dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
     msg = str(e.value)
     assert "decode-0: server exited with code 3" in msg, msg
@@ -165,7 +164,7 @@ def test_restarts_are_bounded(ray_cluster):
 ])
 def test_bad_config_is_refused(ray_cluster, kw, expected):
     with pytest.raises(LaunchError, match=expected.replace("(", r"\(")):
-        with Deployment(config(**kw), progress=lambda s: None):
+        with Deployment(config(**kw)):
             pass
 
 
@@ -179,8 +178,7 @@ def test_port_in_use_is_refused(ray_cluster):
         port = s.getsockname()[1]
         with pytest.raises(LaunchError, match=f"prefill-0 on node {ip}: port {port} is "
                            "already in use"):
-            with Deployment(config(prefill={"node_resource": "prefill_node", "port": port}),
-                            progress=lambda s: None):
+            with Deployment(config(prefill={"node_resource": "prefill_node", "port": port})):
                 pass
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,7 +186,7 @@ def test_port_in_use_is_refused(ray_cluster):
         port = s.getsockname()[1]
         with pytest.raises(LaunchError, match=f"router port 127.0.0.1:{port} is already "
                            "in use"):
-            with Deployment(config(router={"port": port}), progress=lambda s: None):
+            with Deployment(config(router={"port": port})):
                 pass
 
 
@@ -214,6 +212,32 @@ def test_config_file_errors(tmp_path):
     assert (cfg.decode.count, cfg.decode.node_resource, cfg.decode.vllm_args) == \
         (2, "d", ["--seed", "1"])
     assert cfg.router.port == 9
+
+
+def test_progress_is_logged_and_shown():
+    """Progress lines go through logging (vllm_patch.launch.deployment) and
+    to a `progress` callback; show_progress() prints them as the commands
+    do, warnings marked with their level."""
+    import io
+    import logging
+
+    from vllm_patch import launch
+
+    log = logging.getLogger("vllm_patch.launch")
+    saved = (list(log.handlers), log.level, log.propagate)
+    out, lines = io.StringIO(), []
+    try:
+        launch.show_progress(out)
+        launch.show_progress(out)  # idempotent: one handler
+        dep = Deployment(config(), progress=lines.append)
+        dep._say("placed")
+        dep._say("instances share one core", logging.WARNING)
+    finally:
+        log.handlers[:], log.propagate = saved[0], saved[2]
+        log.setLevel(saved[1])
+    assert [line.split("] ", 1)[1] for line in lines] == [
+        "placed", "instances share one core"]
+    assert out.getvalue().splitlines() == [lines[0], "WARNING: " + lines[1]]
 
 
 def test_cpu_bind_ranges():

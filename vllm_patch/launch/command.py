@@ -6,10 +6,11 @@
 
 Arguments after `--` go to every vLLM server unchanged; --prefill-args /
 --decode-args (one quoted string each) go to one role. Flags override the
-YAML file (see vllm_patch/launch/config.py for its keys). Progress goes to
-stderr; the endpoint line `endpoint: http://host:port` to stdout, and with
---ready-file a JSON file {"url", "instances"} is written once every
-instance answers /health. Ctrl-C or SIGTERM tears everything down.
+YAML file (see vllm_patch/launch/config.py for its keys). Progress and
+errors go to stderr; the endpoint line `endpoint: http://host:port` to
+stdout, and with --ready-file a JSON file {"url", "instances"} is written
+once every instance answers /health. Ctrl-C or SIGTERM tears everything
+down.
 
 Exit codes: 0 after a requested stop, 1 when the deployment cannot start or
 an instance keeps dying (more than --max-restarts restarts), 2 bad usage.
@@ -65,9 +66,11 @@ def _raise_interrupt(signum: int, frame: Any) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
+    from vllm_patch.launch import show_progress
     from vllm_patch.launch.config import LaunchError, load
     from vllm_patch.launch.deployment import Deployment
 
+    show_progress()
     try:
         cfg = load(a.config, _overrides(a))
     except LaunchError as e:

@@ -22,8 +22,8 @@ after the grammar's end, no KV block held at idle), 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import logging
 import re
-import sys
 import tempfile
 import time
 import urllib.request
@@ -31,9 +31,7 @@ from typing import Any
 
 MODES = ("stock", "patched")
 
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 def blocks_in_use(dep: Any, role: str) -> int:
@@ -65,12 +63,13 @@ def run_mode(mode: str, model: str, workdir: str, requests: list[dict],
              "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
         router={"host": "127.0.0.1", "port": 0}, max_restarts=0,
         log_dir=f"{workdir}/{mode}-logs", start_timeout_s=300)
-    _say(f"\n== {mode}: launching prefill + decode "
-         f"({'VLLM_PATCH_DISABLE=1' if mode == 'stock' else 'plugin active'})")
+    logger.info("== %s: launching prefill + decode (%s)", mode,
+                "VLLM_PATCH_DISABLE=1" if mode == "stock" else "plugin active")
     t0 = time.monotonic()
-    with Deployment(cfg, progress=lambda line: _say(f"   {line}")) as dep:
+    with Deployment(cfg) as dep:
         startup = time.monotonic() - t0
-        _say(f"   sending {len(requests)} structured requests through {dep.url}")
+        logger.info("sending %d structured requests through %s", len(requests),
+                    dep.url)
         res = wl.run_batch(dep, requests)
         held = {role: blocks_in_use(dep, role) for role in ("prefill", "decode")}
     c, d = res["counts"], res["delta"]
@@ -113,16 +112,18 @@ def holds(row: dict[str, Any]) -> bool:
 def main(args: argparse.Namespace) -> int:
     import ray
 
+    from vllm_patch.launch import show_progress
     from vllm_patch.testing import workload as wl
     from vllm_patch.testing import tiny_model
 
+    show_progress()
     t0 = time.monotonic()
-    _say("building (or finding) the tiny local model")
+    logger.info("building (or finding) the tiny local model")
     model = str(tiny_model.build_target())
     requests = wl.build_requests()[:args.requests] if args.requests else wl.build_requests()
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-patch-demo-") as workdir:
-        _say("starting a local Ray cluster")
+        logger.info("starting a local Ray cluster")
         ray.init(address="local", include_dashboard=False, log_to_driver=False)
         try:
             for mode in args.modes:

@@ -8,15 +8,17 @@ servers, each supervised by a Ray actor on its node, and the P/D router
 
 Leaving the block (normally, on an error or on Ctrl-C) stops the router,
 every server's process group and every actor, and the local Ray cluster if
-this process started it. Nothing else is touched.
+this process started it. Nothing else is touched. Progress is logged
+(logger `vllm_patch.launch.deployment`); `vllm_patch.launch.show_progress()`
+prints it, as the `launch` and `demo` commands do.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
-import sys
 import time
 import urllib.request
 from typing import Any, Callable
@@ -26,9 +28,7 @@ from vllm_patch.launch.supervisor import InstanceSupervisor, port_free
 
 PLACE_TIMEOUT_S = 120.0
 
-
-def stderr_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -64,7 +64,9 @@ def cpu_bind_ranges(cpus: list[int], n: int) -> list[str] | None:
 
 class Deployment:
     def __init__(self, cfg: LaunchConfig,
-                 progress: Callable[[str], None] = stderr_progress) -> None:
+                 progress: Callable[[str], None] | None = None) -> None:
+        """`progress`, if given, also receives each progress line as logged
+        (tests collect them)."""
         self.cfg = cfg
         self.progress = progress
         self.instances: list[Instance] = []
@@ -128,8 +130,11 @@ class Deployment:
                   f"{[i.url for i in self.role_instances('decode')]}")
 
     # ---- steps ---------------------------------------------------------
-    def _say(self, msg: str) -> None:
-        self.progress(f"[{time.monotonic() - self._t0:5.0f}s] {msg}")
+    def _say(self, msg: str, level: int = logging.INFO) -> None:
+        line = f"[{time.monotonic() - self._t0:5.0f}s] {msg}"
+        logger.log(level, "%s", line)
+        if self.progress is not None:
+            self.progress(line)
 
     def _connect(self) -> None:
         try:
@@ -237,11 +242,11 @@ class Deployment:
                     and not any(self._env_flag(i, "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY")
                                 for i in insts)):
                 self._say(
-                    f"WARNING: {len(insts)} NixlConnector instances on {host}: vLLM's "
-                    "NIXL CPU worker moves each one's main thread to the host's last "
+                    f"{len(insts)} NixlConnector instances on {host}: vLLM's NIXL "
+                    "CPU worker moves each one's main thread to the host's last "
                     "core whatever VLLM_CPU_OMP_THREADS_BIND says, so they share one "
-                    "core (issue 6; VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1 keeps "
-                    "each within its own cores, test-only)")
+                    "core (VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1 keeps each "
+                    "within its own cores, test-only)", logging.WARNING)
         return binds
 
     def _env_flag(self, inst: Instance, name: str) -> bool:
@@ -370,7 +375,7 @@ class Deployment:
                     ray.get(ref, timeout=60)
                 except Exception as e:  # the actor is gone: PDEATHSIG took the server
                     self._say(f"{inst.name}: stop failed ({type(e).__name__}); its "
-                              "server dies with its actor")
+                              "server dies with its actor", logging.WARNING)
                 ray.kill(inst.actor, no_restart=True)
         if self._connected:
             ray.shutdown()

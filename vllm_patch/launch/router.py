@@ -1,14 +1,12 @@
 """Minimal P/D router for vLLM's OpenAI server (aiohttp).
 
-Why not PyPI `vllm-router` (0.1.17, checked): it is a Rust extension
-(`vllm_router_rs.abi3.so`, 24 MB) that parses requests into its own typed
-structs and re-serialises them, supports `--kv-connector nixl|mooncake|moriio`
-only, and we cannot patch or trace it; every vLLM request field it does not
-model (structured-output options, ignore_eos, return_token_ids, ...) is at
-its mercy. This proxy forwards the client's JSON untouched except for the
-P/D fields, so every structured-output form reaches both instances as vLLM
-parses it, and a 4xx from either instance (e.g. an invalid JSON schema)
-reaches the client byte for byte.
+It forwards the client's JSON untouched except for the P/D fields, so every
+structured-output form (and ignore_eos, return_token_ids, ...) reaches both
+instances as vLLM parses it, and a 4xx from either instance (e.g. an invalid
+JSON schema) reaches the client byte for byte. (The `vllm-router` package
+parses requests into its own types and re-serialises them, so a field it
+does not model is at its mercy, and supports only some KV connectors.) An
+upstream error is logged and answered with 502.
 
 Flow per POST /v1/completions or /v1/chat/completions:
 1. prefill: the request with max_tokens=1 (max_completion_tokens=1 for chat),
@@ -42,7 +40,7 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from vllm_patch.launch.supervisor import free_port
 
-logger = logging.getLogger("vllm_patch.launch.router")
+logger = logging.getLogger(__name__)
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -115,6 +113,8 @@ class Router:
             return await self._pd_inner(request, path, chat)
         except ClientError as e:  # an instance is down / went away mid-request
             self.counts["upstream_errors"] = self.counts.get("upstream_errors", 0) + 1
+            logger.warning("P/D upstream error on %s: %s: %s", path,
+                           type(e).__name__, e)
             return web.json_response({"error": {
                 "message": f"P/D upstream error: {type(e).__name__}: {e}",
                 "type": "BadGatewayError", "code": 502}}, status=502)
