@@ -13,11 +13,11 @@ Lifecycle guarantees:
   that group: SIGTERM, then SIGKILL after a grace period, so the engine core
   and workers go with it;
 - the server gets PR_SET_PDEATHSIG(SIGTERM): if the actor's process dies, the
-  kernel signals the server even when nobody calls stop(), and vLLM's server
-  shuts its engine core and workers down on SIGTERM (measured: they outlive
-  a SIGKILLed server, not a SIGTERMed one); every process is spawned from the
-  supervisor's own long-lived thread, because the death signal follows the
-  thread that forked;
+  kernel signals the server even when nobody calls stop(); SIGTERM, not
+  SIGKILL, because vLLM's server shuts its engine core and workers down on
+  SIGTERM while they outlive a killed server; every process is spawned from
+  the supervisor's own long-lived thread, because the death signal follows
+  the thread that forked;
 - an unexpected exit is restarted on the same host and port (so the router's
   address stays valid) up to `max_restarts` times, then the instance is
   `failed` and the deployment stops with the server's last log lines.

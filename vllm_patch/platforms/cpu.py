@@ -4,29 +4,22 @@ set-up; see patching.disabled).
 
 1. `cpu-force-async-scheduling`: keep async scheduling on the CPU platform.
 
-`CpuPlatform.check_and_update_config` (vllm/platforms/cpu.py, 0.32: line 331,
-0.33: line 348) sets `scheduler_config.async_scheduling = False`
-unconditionally and without a log line. The end-to-end tier needs async
-scheduling (AsyncScheduler + batch queue of 2, the path G1/G2/G3 are about),
-so this switch restores whatever value the config held when the platform hook
-was called (the user's choice, or vLLM's resolved default). Opt-in through
+`CpuPlatform.check_and_update_config` sets
+`scheduler_config.async_scheduling = False` unconditionally and without a
+log line. The end-to-end tier needs async scheduling (AsyncScheduler + batch
+queue of 2, the path G1/G2/G3 are about), so this switch restores whatever
+value the config held when the platform hook was called (the user's choice,
+or vLLM's resolved default). Opt-in through
 `VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING=1`; never set it in production.
 
-2. `cpu-nixl-kv-core-in-affinity`: NixlConnector's CPU worker reserves "the
-last core of each NUMA node" for the KV transfer and moves the worker's main
-thread there (`os.sched_setaffinity(0, ...)`, nixl/base_worker.py:701-714 in
-0.32; `CpuPlatform.discover_numa_topology` reads /sys and ignores the CPUs
-the instance was given). Every NIXL instance on one host therefore lands on
-the same core, whatever VLLM_CPU_OMP_THREADS_BIND says. Measured on the
-2-core CI machine (P/D pair, prefill bound to core 0, decode to core 1):
-both workers' main threads on core 1; the prefill worker's shm reader
-busy-spins (sched_yield, 1 s after each read) there while the decode worker
-runs, and the decode worker's one-time Inductor compile of
-`update_num_computed_tokens_for_batch_change` (first async spec-decode
-step; g++ inherits the pinned core) got ~3 % of a core: engine-core RPC
-waits of minutes, once the 300 s execute-model timeout (EngineDeadError).
-The switch keeps only the CPUs the calling thread may already run on, so each
-instance's transfer core is one of its own. Opt-in through
+2. `cpu-nixl-kv-core-in-affinity`: keep NIXL's transfer core within the
+instance's CPUs. NixlConnector's CPU worker reserves "the last core of each
+NUMA node" for the KV transfer and moves the worker's main thread there
+(`CpuPlatform.discover_numa_topology` reads /sys and ignores the CPUs the
+instance was given), so every NIXL instance on one host lands on the same
+core whatever VLLM_CPU_OMP_THREADS_BIND says, and on a small host a busy
+instance starves the others that share it. The switch keeps only the CPUs
+the calling thread may already run on. Opt-in through
 `VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1`; nothing in G1-G4 depends on it.
 """
 

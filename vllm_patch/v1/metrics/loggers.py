@@ -1,15 +1,13 @@
-"""Issue 8: `vllm_patch_invariant_violations_total` on the frontend's
-/metrics.
+"""`vllm_patch_invariant_violations_total` on the frontend's /metrics.
 
-The invariant checker (vllm_patch.v1.core.sched.invariants) runs where the
-scheduler runs: the engine-core process. Its violation counts ride on the
-step's `SchedulerStats` (field `vllm_patch_invariant_violations`, added by
-`invariants-scheduler-stats-field` in vllm_patch.v1.metrics.stats), reach
-the frontend with vLLM's own scheduler stats, and this patch makes vLLM's
-`PrometheusStatLogger.record` count them on the frontend's registry, next
-to vLLM's metrics (in-process and multiprocess engines alike; with
-PROMETHEUS_MULTIPROC_DIR set, through prometheus_client's multiprocess
-mode like vLLM's own counters).
+The invariant checker (vllm_patch.v1.core.sched.scheduler.invariants) runs
+where the scheduler runs, in the engine core. Its violation counts ride on
+the step's `SchedulerStats` (field `vllm_patch_invariant_violations`, added
+by vllm_patch.v1.metrics.stats.invariants_field) to the frontend, where this
+patch makes vLLM's `PrometheusStatLogger.record` count them next to vLLM's
+own metrics (in-process and multiprocess engines alike; with
+PROMETHEUS_MULTIPROC_DIR set, through prometheus_client's multiprocess mode
+like vLLM's counters).
 """
 
 from __future__ import annotations

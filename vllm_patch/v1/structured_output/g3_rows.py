@@ -1,39 +1,24 @@
 """G3 for vllm.v1.structured_output: bitmask rows after a grammar's end.
 
-Stock `StructuredOutputManager.grammar_bitmask` walks each request's drafts
-through the grammar and writes one row per draft position plus the bonus row.
-Two kinds of rows come out all-ones (every token allowed):
+Stock `StructuredOutputManager.grammar_bitmask` leaves two kinds of rows
+all-ones (every token allowed): the row after a draft that terminated the
+grammar (`_fill_bitmasks` writes `_full_mask` for a terminated grammar), and
+every row after a request's first -1 draft (async scheduling pads
+grammar-invalid and post-terminal drafts with -1). The V1 runner then
+verifies post-terminal drafts, and samples the bonus, against them.
 
-- the row right after a draft that terminated the grammar:
-  `_fill_bitmasks` writes `_full_mask` for a terminated grammar (and
-  xgrammar cannot fill a row once terminated: its matcher raises);
-- every row after the first -1 draft (async scheduling pads grammar-invalid
-  and post-terminal drafts with -1): `seen_padding` switches the walk off.
+- `g3-terminal-row` (wraps `_fill_bitmasks`): the row of a grammar that
+  terminated during this walk allows only the grammar's stop tokens. A
+  grammar already terminated when the walk began keeps stock's row, so
+  `VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0` behaves as stock.
+- `g3-rows-after-padding-0.32` / `-0.33` (wraps `grammar_bitmask`): every
+  row after a request's first -1 draft, the bonus row included, repeats the
+  row at it (the valid-prefix row, or the stop-only row), as stock already
+  does after a failed accept; only the row layout differs by series.
 
-Patched (rows only; which drafts the worker may accept is enforced by
-`vllm_patch.v1.worker.gpu_model_runner`):
-
-- `g3-terminal-row`: wraps `_fill_bitmasks`. A row the walk asked to
-  constrain (`apply_bitmask`) for a grammar that became terminated during
-  this walk (i.e. by one of this step's drafts) gets the grammar's stop
-  tokens only: xgrammar's matcher `stop_token_ids`; guidance and outlines
-  fill an EOS-only row themselves once stopped; any other backend falls back
-  to the row the terminal token was drawn from. A grammar that was already
-  terminated when the walk started keeps the stock all-ones row, so
-  `VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0` (stock continuation after the
-  grammar's end) is unchanged.
-- `g3-rows-after-padding-0.32` / `-0.33`: wraps `grammar_bitmask`. After
-  the stock walk, every row after a request's first -1 draft (the bonus row
-  included) is a copy of the row at that -1 position: the grammar's row for
-  the valid prefix (invalid draft) or the stop-only row (post-terminal
-  draft). This mirrors what stock already does after a draft that fails
-  `accept_tokens` (`failed_index`). Only the row layout differs by series:
-  0.32 packs `1 + len(drafts)` rows per request cumulatively, 0.33 gives each
-  request a fixed block of `mask_stride = k + 1` rows.
-
-Both wrappers call the stock method unchanged; nothing is copied. Requests
-without structured output have no rows; steps without speculative tokens
-(and diffusion models) take the stock path untouched.
+Which drafts the worker may accept is enforced by
+`vllm_patch.v1.worker.gpu_model_runner`. Requests without structured output
+and steps without drafts take the stock path.
 """
 
 from __future__ import annotations
