@@ -88,13 +88,15 @@ class PDDecodeSched:
     def add_remote_request(self, *, prompt_len: int = 40, json: Any = SCHEMA,
                            regex: str | None = None, max_tokens: int = 48,
                            hold_grammar: bool = True, grammar_error: bool = False,
-                           remote: bool = True) -> str:
+                           remote: bool = True, prompt_logprobs: int | None = None
+                           ) -> str:
         from vllm.sampling_params import SamplingParams, StructuredOutputsParams
         from vllm.v1.request import Request
 
         so = StructuredOutputsParams(json=json) if regex is None else \
             StructuredOutputsParams(regex=regex)
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=so)
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_outputs=so,
+                            prompt_logprobs=prompt_logprobs)
         sp.verify(self.vllm_config.model_config, self.vllm_config.speculative_config,
                   self.vllm_config.structured_outputs_config, self.tokenizer)
         sp.update_from_generation_config({}, self.tokenizer.eos_token_id)

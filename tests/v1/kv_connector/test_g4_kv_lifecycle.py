@@ -180,6 +180,7 @@ def test_no_remote_params_is_stock(patched):
     h.assert_idle_no_leak()
 
 
+@pytest.mark.timeout(120)  # before the fix the scheduler blocked on the held grammar
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_prompt_logprobs_request_waits_for_its_grammar(patched, async_scheduling):
     """A request that skips reading the prefix cache (prompt logprobs): stock

@@ -97,6 +97,9 @@ def _make_handle_blocked(original):
                 and getattr(self, "connector", None) is not None
                 and request.num_computed_tokens == 0
                 and _wants_remote_prefill(request)
+                # stock schedule() turns "cannot decide yet" into "nothing
+                # to load" for such a request: keep the stock order for it
+                and not getattr(request, "skip_reading_prefix_cache", False)
                 and _grammar_state(request) == "pending"):
             if wrap_connector(self, self.connector):
                 setattr(request, MARK, "lookup")
