@@ -56,11 +56,13 @@ KNOWN_LIMITS: dict[str, tuple[str, ...]] = {
         "lm-format-enforcer is not tested",
     ),
     "G3": (
-        "the drafter (EAGLE / draft_model) is skipped only in steps where "
-        "every request of the batch has ended or ends; in a batch where "
-        "others go on it still runs over the ended requests (their drafts "
-        "are dropped, no compute saved); ngram / suffix / medusa drafting "
-        "is not skipped; an end by max_tokens is not predicted",
+        "the drafter is skipped only for EAGLE / MTP / draft_model / DFlash "
+        "/ Gemma4 proposers, and only in steps where every request of the "
+        "batch has ended or ends; in a batch where others go on it still runs "
+        "over the ended requests (their drafts are dropped, no compute saved); "
+        "ngram (CPU or GPU), suffix, medusa, extract_hidden_states and custom "
+        "proposers, and pipeline parallel, keep drafting; an end by "
+        "max_tokens is not predicted",
     ),
     "G4": (
         "the KV load overlaps grammar compilation only for connectors that "
