@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_patch.patching import Patch
+from vllm_patch.v1.core.sched.scheduler.invariants import DIAGNOSTICS
 
 FREE_OBSERVER = "invariants-observe-free"
 
@@ -43,10 +44,6 @@ PATCHES: list[Patch] = [
         why="double frees are caught when they happen",
         how="per block-pool object of an instrumented scheduler: record the "
             "blocks freed, then call the class method",
-        guarantee="package",
-        versions=("0.32", "0.33"),
-        upstream="SGLang's scheduler invariant checker",
-        remove_when="never: opt-in diagnostics",
-        enabled=lambda s: s.check_invariants and not s.disable,
+        **DIAGNOSTICS,
     ),
 ]

@@ -662,7 +662,8 @@ def _make_init(original: Any) -> Any:
 
 
 _SCHED = "vllm.v1.core.sched.scheduler:Scheduler."
-_COMMON = dict(
+# The record fields every invariant-checker patch shares.
+DIAGNOSTICS = dict(
     guarantee="package",
     versions=("0.32", "0.33"),
     upstream="SGLang's scheduler invariant checker",
@@ -687,7 +688,7 @@ PATCHES: list[Patch] = [
             "check counters, placeholders, a shadow grammar over the "
             "committed output, logprob rows, blocks of finished requests "
             "and, at idle, the block pool",
-        **_COMMON,
+        **DIAGNOSTICS,
     ),
     Patch(
         name=UPDATE_OBSERVER,
@@ -699,7 +700,7 @@ PATCHES: list[Patch] = [
         how="per scheduler object: call the class method (looked up at call "
             "time, so G1's class patch and its revert stay in charge), then "
             "check the invariants on the requests of the step",
-        **_COMMON,
+        **DIAGNOSTICS,
     ),
     Patch(
         name=LAUNCH_OBSERVER,
@@ -710,6 +711,6 @@ PATCHES: list[Patch] = [
         why="the checks need the steps launched and not yet processed",
         how="per scheduler object: after the class method, count the "
             "request ids of the launched step",
-        **_COMMON,
+        **DIAGNOSTICS,
     ),
 ]
