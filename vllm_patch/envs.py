@@ -47,7 +47,7 @@ class Settings:
     strict_runtime: bool
     # G2: grammar termination finishes a structured request (0 restores stock).
     stop_on_grammar_termination: bool
-    # Runtime invariant checker (issue 8); off by default in serving.
+    # Runtime invariant checker; off by default in serving.
     check_invariants: bool
     # Tests: an invariant violation raises instead of being logged/counted.
     invariants_raise: bool

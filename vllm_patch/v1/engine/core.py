@@ -153,7 +153,7 @@ PATCHES: list[Patch] = [
         how=(f"adds EngineCore.{INJECT_METHOD}(invariant), reachable through "
              "vLLM's utility calls; it reports one violation through the live "
              "scheduler's checker (VLLM_PATCH_CHECK_INVARIANTS=1 only)"),
-        upstream="none (package diagnostics, issue 8)",
+        upstream="none (package diagnostics)",
         remove_when="never; diagnostics",
         new_attribute=True,
         enabled=lambda s: s.check_invariants and not s.disable,

@@ -91,7 +91,7 @@ PATCHES: list[Patch] = [
         how=("after vLLM records a step's stats, add the step's "
              "SchedulerStats.vllm_patch_invariant_violations to "
              "vllm_patch_invariant_violations_total{invariant}"),
-        upstream="none (package diagnostics, issue 8)",
+        upstream="none (package diagnostics)",
         remove_when="never: opt-in diagnostics",
         enabled=lambda s: s.check_invariants and not s.disable,
     ),

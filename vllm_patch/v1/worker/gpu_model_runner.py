@@ -106,7 +106,7 @@ def _make_sample_tokens(original: Any) -> Any:
 
 
 # --------------------------------------------------------------------------
-# No drafts for requests whose grammar ends (issue 4, second item).
+# No drafts for requests whose grammar ends.
 #
 # Where: `GPUModelRunner.propose_draft_token_ids`, the one call through which
 # the V1 runner runs every proposer (sample_tokens' nested helper calls it

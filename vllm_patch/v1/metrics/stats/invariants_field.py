@@ -92,7 +92,7 @@ PATCHES: list[Patch] = [
         how=("adds the SchedulerStats field vllm_patch_invariant_violations "
              "(dict invariant -> new violations, init=False, default None); "
              "the checker puts its counts on the step's SchedulerStats"),
-        upstream="none (package diagnostics, issue 8)",
+        upstream="none (package diagnostics)",
         remove_when="never: opt-in diagnostics",
         enabled=_invariants_enabled,
     )
