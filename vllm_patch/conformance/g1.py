@@ -180,12 +180,6 @@ def add_requests(h, n: int = 1, max_tokens: int = 12, prompt=None) -> list[str]:
     return rids
 
 
-# The former private names, until the G1 tests move to the public ones.
-_h = harness
-_add = add_requests
-_ref = reference
-
-
 # ----------------------------------------------------------------- scenarios
 def async_queue(depth: int, stagger: int | None = None, spec: int = 0):
     def run() -> list[str]:
