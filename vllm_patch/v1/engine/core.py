@@ -112,7 +112,7 @@ def _make_inject(original: Any) -> Any:
         from vllm_patch.v1.core.sched.scheduler import invariants as inv
 
         scheduler = getattr(self, "scheduler", None)
-        if scheduler is None or inv._WRAPPED not in scheduler.__dict__:  # noqa: SLF001
+        if scheduler is None or not inv.instrumented(scheduler):
             return {"injected": False, "reason": "scheduler not checked"}
         c = inv.checker(scheduler)
         if c.mode == "raise":

@@ -653,6 +653,12 @@ def instrument(scheduler: Any, force: bool = True) -> Checker:
     return c
 
 
+def instrumented(scheduler: Any) -> bool:
+    """Does `scheduler` carry the checker's step observer?"""
+    observer = scheduler.__dict__.get("update_from_output")
+    return getattr(observer, registry.NAME_ATTR, None) == UPDATE_OBSERVER
+
+
 def _make_init(original: Any) -> Any:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
