@@ -31,7 +31,9 @@ def _expected_on(mro: list[str]) -> list[list[str]]:
     """[class, method, patch] this process applied on a class of `mro`."""
     out = []
     for name, o in patching.REGISTRY.outcomes.items():
-        if o.state is State.APPLIED and isinstance(o.owner, type):
+        # Per-object patches are installed on objects, not on the class.
+        if o.state is State.APPLIED and isinstance(o.owner, type) \
+                and not o.patch.per_instance:
             if _qualname(o.owner) in mro:
                 out.append([_qualname(o.owner), o.attr, name])
     return out
@@ -91,6 +93,12 @@ def test_patches_live_in_engine_core(engine_mode, patched):
                 "engine-core-probe"] in report["engine_core_patched"]
         assert all(e in report["scheduler_patched"]
                    for e in report["scheduler_live_patched"])
+        # ... and every per-object patch armed here for the scheduler's
+        # class is installed on the live scheduler object.
+        assert report["scheduler_object_patched"] == sorted(
+            name for name, o in patching.REGISTRY.outcomes.items()
+            if o.state is State.APPLIED and o.patch.per_instance
+            and _qualname(o.owner) in report["scheduler_mro"])
         print(f"{engine_mode} engine-core probe:", report)
     finally:
         engine.stop_llm(llm)

@@ -83,6 +83,11 @@ def probe_report(engine_core: Any) -> dict[str, Any]:
         "scheduler_mro": [_qualname(k) for k in sched_cls.__mro__] if sched_cls else [],
         "scheduler_patched": patched_methods(sched_cls) if sched_cls else [],
         "scheduler_live_patched": live_patched_methods(sched_cls) if sched_cls else [],
+        # Per-object patches installed on the live scheduler itself.
+        "scheduler_object_patched": sorted(
+            getattr(v, patching.NAME_ATTR) for v in vars(scheduler).values()
+            if isinstance(getattr(v, patching.NAME_ATTR, None), str)
+        ) if scheduler is not None else [],
         "async_scheduling": bool(getattr(engine_core, "async_scheduling", False)),
         "batch_queue_size": int(getattr(engine_core, "batch_queue_size", 1)),
         "batch_queue": getattr(engine_core, "batch_queue", None) is not None,
