@@ -10,7 +10,7 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-# Issue 8: the runtime invariant checker is on in every test, a violation
+# The runtime invariant checker is on in every test, a violation
 # raises (an explicit VLLM_PATCH_CHECK_INVARIANTS / _RAISE in the environment
 # wins). Nothing is applied in the stock run (VLLM_PATCH_DISABLE=1).
 os.environ.setdefault("VLLM_PATCH_CHECK_INVARIANTS", "1")

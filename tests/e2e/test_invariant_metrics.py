@@ -1,4 +1,4 @@
-"""Issue 8: a violation found by the invariant checker inside a separate
+"""A violation found by the invariant checker inside a separate
 engine-core process is counted on the frontend's Prometheus registry
 (`vllm_patch_invariant_violations_total`), which is what /metrics serves:
 the count rides on the step's SchedulerStats (vllm_patch.v1.metrics).

@@ -1,6 +1,6 @@
 """G2's per-request update is an inline copy of the stock body when vLLM's
-source is exactly the audited 0.32.0 / 0.33.0 one (no call layer per request:
-the overhead budget of issue 3), and a wrapper around the stock method
+source is exactly the audited 0.32.0 / 0.33.0 one (no call layer per request,
+for the per-request overhead), and a wrapper around the stock method
 otherwise (a vLLM patch release that edits the method). Both must keep G2:
 this runs every G2 conformance scenario through the wrapping fallback."""
 

@@ -1,8 +1,7 @@
-"""Fuzz episodes kept as regression tests (issue 8): each reproduced a
-failure while the KV-connector episodes were being added, shrunk by hand
-to the requests that matter. Replayed through
-`vllm_patch.testing.fuzz.run_episode` on the real scheduler with the
-NixlConnector scheduler side and the simulated worker.
+"""Fuzz episodes kept as regression tests: each reproduced a failure found
+by the fuzzer's KV-connector episodes, shrunk by hand to the requests that
+matter. Replayed through `vllm_patch.testing.fuzz.run_episode` on the real
+scheduler with the NixlConnector scheduler side and the simulated worker.
 
 - pinned_finish_in_flight: a prefill-instance request (do_remote_decode)
   finishes "length" with async steps in flight; the connector keeps it in
