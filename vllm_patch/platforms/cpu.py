@@ -98,8 +98,8 @@ PATCHES: list[Patch] = [
         make=_make_discover_numa_topology,
         why=("NixlConnector's CPU worker pins its main thread to the last core "
              "of each NUMA node from /sys, so every NIXL instance on one host "
-             "shares one core (2-core CI: the prefill worker's busy-spin "
-             "starved the decode worker for minutes)"),
+             "shares one core, where a busy prefill worker starves the "
+             "decode worker"),
         how=("wraps the classmethod: keeps only the cores the calling thread "
              "may run on (its VLLM_CPU_OMP_THREADS_BIND), vLLM's answer when "
              "none is left"),

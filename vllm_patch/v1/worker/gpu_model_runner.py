@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 
-logger = logging.getLogger("vllm_patch")
+logger = logging.getLogger(__name__)
 
 
 def unacceptable_draft_positions(

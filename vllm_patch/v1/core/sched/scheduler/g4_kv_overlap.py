@@ -40,7 +40,6 @@ same freeing paths as stock.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm_patch.distributed.kv_transfer.kv_connector.v1.base import (
@@ -50,8 +49,6 @@ from vllm_patch.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
-
-logger = logging.getLogger("vllm_patch")
 
 UPSTREAM = ("vLLM disagg audit gap F (../shared/research/vllm-disagg-audit.md); "
             "no upstream PR yet")

@@ -68,7 +68,7 @@ from typing import Any, Callable
 from vllm_patch import patching as registry
 from vllm_patch.patching import Patch
 
-logger = logging.getLogger("vllm_patch")
+logger = logging.getLogger(__name__)
 
 INVARIANTS = (
     "computed_le_tokens", "placeholders", "grammar_prefix", "post_terminal",
