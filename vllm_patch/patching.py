@@ -119,16 +119,27 @@ UNENFORCED_STATES = FAILED_STATES + (
     State.DISABLED, State.SKIPPED_BY_USER, State.WITHDRAWN)
 
 
+# code object -> digest: several patches pin the same vLLM function, and
+# register() runs in every vLLM process; read each source once.
+_DIGESTS: dict[Any, str | None] = {}
+
+
 def source_digest(obj: Any) -> str | None:
     """sha256[:16] of `inspect.getsource(obj)` (the function inside a
     classmethod / staticmethod), or None when no source is available."""
     import hashlib
 
     func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+    code = getattr(func, "__code__", None)
+    if code is not None and code in _DIGESTS:
+        return _DIGESTS[code]
     try:
-        return hashlib.sha256(inspect.getsource(func).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(inspect.getsource(func).encode()).hexdigest()[:16]
     except (OSError, TypeError):
-        return None
+        digest = None
+    if code is not None:
+        _DIGESTS[code] = digest
+    return digest
 
 
 @dataclass(frozen=True)
@@ -182,6 +193,9 @@ class Patch:
     # False: the guarantee still holds without this patch (another path
     # takes over); its failure is reported but does not withdraw the rest.
     required: bool = True
+    # For an optional patch: what runs instead when it is not applied
+    # (printed by status).
+    without: str = ""
     # Run on revert after the attribute is restored (e.g. to remove a
     # dataclass field entry the patch added).
     undo: Callable[[], None] | None = None
@@ -647,16 +661,15 @@ def apply_all(settings: envs.Settings) -> list[Outcome]:
 
 
 def impl_summary(gid: str) -> str:
-    """Which implementation of guarantee `gid` is live, in a few words."""
-    if gid != "G2":
+    """What runs instead of the optional patches of guarantee `gid` that are
+    not applied while the guarantee is ('' when none)."""
+    outcomes = [o for o in REGISTRY.outcomes.values() if o.patch.guarantee == gid]
+    if not any(o.state is State.APPLIED for o in outcomes):
         return ""
-    o = REGISTRY.outcomes.get("g2-accept-once")
-    if o is not None and o.state is not State.APPLIED and \
-            any(x.patch.guarantee == "G2" and x.state is State.APPLIED
-                for x in REGISTRY.outcomes.values()):
-        return ("the grammar is walked twice per step (validate-only "
-                "fallback: g2-accept-once is not applied)")
-    return ""
+    return "; ".join(
+        f"{o.patch.without} ({o.patch.name} is not applied)"
+        for o in outcomes if not o.patch.required
+        and o.state not in (State.APPLIED, State.NOT_APPLICABLE))
 
 
 def switched_off(gid: str, settings: envs.Settings) -> str:

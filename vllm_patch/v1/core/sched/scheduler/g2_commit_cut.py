@@ -346,19 +346,13 @@ _SPEC_STATS_PIN = pin(
     fallback=True)
 # Tests / benchmarks can set this to False to exercise the wrapping fallback.
 INLINE_AUDITED = True
-_AUDIT_CACHE: dict[tuple[Any, str | None], bool] = {}
 
 
 def _audited(fn: Callable, pin_: Pin, series: str) -> bool:
     """Is `fn` exactly the stock source `pin_` audited for `series` (the
     body an inline replacement copies)?"""
     digest = pin_.digests.get(series)
-    key = (getattr(fn, "__code__", None), digest)
-    ok = _AUDIT_CACHE.get(key)
-    if ok is None:
-        ok = digest is not None and source_digest(fn) == digest
-        _AUDIT_CACHE[key] = ok
-    return ok
+    return digest is not None and source_digest(fn) == digest
 
 
 def _impl(fn: Callable, kind: str) -> Callable:
