@@ -614,3 +614,14 @@ def test_unknown_version_package_patches_one_line(registry, monkeypatch, warning
     vllm_patch.register()
     lines = [r.getMessage() for r in warnings_seen]
     assert len(lines) == 1 and "test-pkg-a, test-pkg-b NOT applied" in lines[0], lines
+
+
+def test_optional_patch_fallback_shown(registry):
+    registry.add(make_patch())
+    registry.add(make_patch(name="test-optional", required=False,
+                            without="the slow path runs",
+                            target="vllm.outputs:EmbeddingRequestOutput.__repr__",
+                            signature=("self", "extra")))
+    vllm_patch.register()
+    row = patching.guarantee_table()[0]
+    assert row["implementation"] == "the slow path runs (test-optional is not applied)"
