@@ -46,10 +46,10 @@ GUARANTEES: dict[str, str] = {
 # claims more than is enforced. Keep in step with the issue notes.
 KNOWN_LIMITS: dict[str, tuple[str, ...]] = {
     "G1": (
-        "gap 3 (pipeline parallel + async + spec decode: structured requests "
-        "get the drafts of the wrong batch) is not fixed: it needs per-step "
-        "draft snapshots on the worker (cf. vLLM PR #56802) and cannot run "
-        "on the CPU build",
+        "with pipeline parallelism + async scheduling + speculative decoding, "
+        "a structured request can be handed the drafts of another step "
+        "(vLLM issue #54437): not fixed, it needs per-step draft snapshots on "
+        "the worker (cf. vLLM PR #56802) and cannot run on the CPU build",
     ),
     "G2": (
         "tested with the xgrammar, guidance and outlines backends; "
@@ -196,6 +196,10 @@ class Patch:
     # For an optional patch: what runs instead when it is not applied
     # (printed by status).
     without: str = ""
+    # Applies under VLLM_PATCH_DISABLE=1 too when this returns True (a fix
+    # its own variable turned on explicitly, so a stock run can keep the
+    # set-up of a patched one).
+    keep_when_disabled: Callable[[envs.Settings], bool] | None = None
     # Run on revert after the attribute is restored (e.g. to remove a
     # dataclass field entry the patch added).
     undo: Callable[[], None] | None = None
@@ -397,6 +401,8 @@ def disabled(patch: Patch, settings: envs.Settings) -> bool:
     switches, which obey only their own opt-in variable: they put stock vLLM
     into the configuration a stock-vs-patched comparison needs (e.g. async
     scheduling on the CPU), so both runs measure the same set-up."""
+    if patch.keep_when_disabled is not None and patch.keep_when_disabled(settings):
+        return False
     return settings.disable and patch.guarantee != "test-only"
 
 
