@@ -251,6 +251,19 @@ def _finish(scheduler: Any, request: Any, kept: list[int], reason: str,
         )
 
 
+_MANAGER_CLS: list[Any] = []
+
+
+def _is_vllm_manager(manager: Any) -> bool:
+    """Is `manager` vLLM's StructuredOutputManager (or a subclass)? The
+    cut calls its `_get_constraint_bounds` and the grammars it compiled;
+    another object (a test double) cannot answer them."""
+    if not _MANAGER_CLS:
+        from vllm.v1.structured_output import StructuredOutputManager
+        _MANAGER_CLS.append(StructuredOutputManager)
+    return isinstance(manager, _MANAGER_CLS[0])
+
+
 def _wrap_update(original: Callable, v032: bool) -> Callable:
     """Fallback: wrap a stock body this module has not audited (a call
     layer per request, the stock method runs unchanged inside)."""
@@ -275,10 +288,16 @@ def _wrap_update(original: Callable, v032: bool) -> Callable:
         manager = self.structured_output_manager
         grammar = so_req.grammar
         n = len(new_token_ids)
-        if getattr(type(manager).accept_tokens, NAME_ATTR, None) \
-                == ACCEPT_PATCH:
+        # Looked up on the instance, as stock's update_from_output calls it
+        # (an instance may provide its own accept_tokens).
+        if getattr(manager.accept_tokens, NAME_ATTR, None) == ACCEPT_PATCH:
             cut, reason, rejected, gs, advanced = advance_cut(
                 manager, request, grammar, new_token_ids)
+        elif not _is_vllm_manager(manager):
+            # Not vLLM's StructuredOutputManager (a test double): the cut
+            # needs its audited methods; all tokens kept, stock's accept
+            # decides, as without this patch.
+            cut, reason, rejected, gs, advanced = n, None, None, n, 0
         else:  # validate-only fallback: stock accepts afterwards
             cut, reason, rejected = grammar_cut(manager, request,
                                                 new_token_ids)
@@ -421,7 +440,10 @@ def _inline_update(original: Callable, v032: bool) -> Callable:
 
         # ------------------------------------------------- structured
         manager = self.structured_output_manager
-        accept_fn = type(manager).accept_tokens
+        # Looked up on the instance, as stock's update_from_output calls it
+        # (an instance may provide its own accept_tokens).
+        accept_fn = manager.accept_tokens
+        accept_fn = getattr(accept_fn, "__func__", accept_fn)
         if accept_fn is not _ACCEPT_SEEN[0]:
             if getattr(accept_fn, NAME_ATTR, None) != ACCEPT_PATCH:
                 # Validate-only path (stock accepts afterwards).
