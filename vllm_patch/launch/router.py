@@ -3,10 +3,11 @@
 It forwards the client's JSON untouched except for the P/D fields, so every
 structured-output form (and ignore_eos, return_token_ids, ...) reaches both
 instances as vLLM parses it, and a 4xx from either instance (e.g. an invalid
-JSON schema) reaches the client byte for byte. (The `vllm-router` package
-parses requests into its own types and re-serialises them, so a field it
-does not model is at its mercy, and supports only some KV connectors.) An
-upstream error is logged and answered with 502.
+JSON schema) reaches the client byte for byte, with its status. (The
+`vllm-router` package parses requests into its own types and re-serialises
+them, so a field it does not model is at its mercy, and supports only some
+KV connectors.) An instance that cannot be reached is logged and answered
+with 502 (504 when it does not answer in time).
 
 Flow per POST /v1/completions or /v1/chat/completions:
 1. prefill: the request with max_tokens=1 (max_completion_tokens=1 for chat),
@@ -20,6 +21,21 @@ Flow per POST /v1/completions or /v1/chat/completions:
 
 GET /health: 200 when both instances answer /health with 200.
 GET /metrics: the instances' metrics, each line labelled pd_role="prefill|decode".
+
+The read-only endpoints of vLLM's OpenAI server are forwarded to a decode
+instance (round robin; the next one if an instance cannot be reached) and
+its answer, status included, is passed through: GET /v1/models, GET
+/version, POST /tokenize, POST /detokenize, GET /tokenizer_info (served by
+vLLM only with --enable-tokenizer-info-endpoint: a 404 otherwise). GET
+/v1/models/{model} (the openai client's `models.retrieve`; vLLM's server
+has no such route) answers the model's entry from the decode instance's
+/v1/models, or vLLM's 404 for an unknown model.
+
+Every error the router makes itself is in OpenAI's format, with the fields
+vLLM's server gives its own errors: {"error": {"message", "type", "param",
+"code"}}, `type` the HTTP phrase unless more is known; an unknown path is a
+404, a known path with the wrong method a 405 (with an Allow header). (vLLM
+0.32's server itself answers those two with FastAPI's {"detail": ...}.)
 
     python -m vllm_patch.launch.router --prefill http://127.0.0.1:8100 \
         --decode http://127.0.0.1:8200 --port 8000
@@ -35,6 +51,7 @@ import json
 import logging
 import threading
 import uuid
+from http import HTTPStatus
 
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
@@ -51,6 +68,49 @@ PREFILL_KV_PARAMS = {
     "remote_port": None,
 }
 _FORWARD_HEADERS = ("authorization", "x-request-id")
+# vLLM OpenAI-server endpoints that only read: answered by a decode instance.
+READ_ONLY = (("GET", "/v1/models"), ("GET", "/version"), ("POST", "/tokenize"),
+             ("POST", "/detokenize"), ("GET", "/tokenizer_info"))
+READ_TIMEOUT_S = 60.0
+# request key: the streamed response, once started
+_STREAMING = (web.RequestKey("pd_streaming", web.StreamResponse)
+              if hasattr(web, "RequestKey") else "pd_streaming")  # aiohttp < 3.13
+
+
+def error_response(status: int, message: str, type_: str | None = None,
+                   param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """An error in OpenAI's format, as vLLM's server writes it (`type` is
+    the HTTP phrase unless given, `code` the status)."""
+    return web.json_response(
+        {"error": {"message": message, "type": type_ or HTTPStatus(status).phrase,
+                   "param": param, "code": status}},
+        status=status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (no route: 404, wrong method: 405, body too
+    large: 413, ...) and anything a handler did not expect, as OpenAI-format
+    JSON instead of aiohttp's plain text."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        what = f"{request.method} {request.path}"
+        if isinstance(e, web.HTTPMethodNotAllowed):
+            what += f" (allowed: {', '.join(sorted(e.allowed_methods))})"
+        return error_response(e.status, f"{e.reason}: {what}", headers=headers)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        if request.get(_STREAMING) is not None:  # the answer has begun: keep it
+            raise
+        logger.exception("router error on %s %s", request.method, request.path)
+        return error_response(500, f"router error: {type(e).__name__}: {e}",
+                              type_="InternalServerError")
 
 
 def prefill_body(body: dict, chat: bool) -> dict:
@@ -81,6 +141,7 @@ class Router:
         self.decode = [u.rstrip("/") for u in decode]
         self._p = itertools.cycle(self.prefill)
         self._d = itertools.cycle(self.decode)
+        self._r = itertools.count()  # round robin of read-only requests
         self.timeout = ClientTimeout(total=timeout_s)
         self.session: ClientSession | None = None
         self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0}
@@ -93,13 +154,16 @@ class Router:
             await self.session.close()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(client_max_size=64 * 2**20, middlewares=[openai_errors])
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.close)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
+        for method, path in READ_ONLY:
+            app.router.add_route(method, path, self.read_only)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -111,13 +175,23 @@ class Router:
     async def _pd(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         try:
             return await self._pd_inner(request, path, chat)
-        except ClientError as e:  # an instance is down / went away mid-request
-            self.counts["upstream_errors"] = self.counts.get("upstream_errors", 0) + 1
-            logger.warning("P/D upstream error on %s: %s: %s", path,
-                           type(e).__name__, e)
-            return web.json_response({"error": {
-                "message": f"P/D upstream error: {type(e).__name__}: {e}",
-                "type": "BadGatewayError", "code": 502}}, status=502)
+        except (ClientError, asyncio.TimeoutError) as e:
+            # an instance is down, went away mid-request or did not answer in
+            # time; or the client went away mid-stream (the answer has begun:
+            # end it as it is)
+            started = request.get(_STREAMING)
+            if started is not None:
+                return started
+            return self._upstream_error(path, e)
+
+    def _upstream_error(self, path: str, e: BaseException) -> web.Response:
+        self.counts["upstream_errors"] = self.counts.get("upstream_errors", 0) + 1
+        logger.warning("P/D upstream error on %s: %s: %s", path, type(e).__name__, e)
+        if isinstance(e, asyncio.TimeoutError):
+            return error_response(504, f"P/D upstream timeout on {path}",
+                                  type_="GatewayTimeoutError")
+        return error_response(502, f"P/D upstream error: {type(e).__name__}: {e}",
+                              type_="BadGatewayError")
 
     async def _pd_inner(self, request: web.Request, path: str,
                         chat: bool) -> web.StreamResponse:
@@ -129,9 +203,7 @@ class Router:
             if not isinstance(body, dict):
                 raise ValueError("request body must be a JSON object")
         except ValueError as e:
-            return web.json_response(
-                {"error": {"message": f"invalid JSON body: {e}", "type": "BadRequestError",
-                           "code": 400}}, status=400)
+            return error_response(400, f"invalid JSON body: {e}", type_="BadRequestError")
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers.setdefault("X-Request-Id", f"pd-{uuid.uuid4().hex}")
 
@@ -159,6 +231,7 @@ class Router:
                                     content_type=resp.content_type)
             out = web.StreamResponse(status=200, headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
+            request[_STREAMING] = out
             await out.prepare(request)
             try:
                 async for chunk in resp.content.iter_any():
@@ -167,6 +240,56 @@ class Router:
                 self.counts["decode_errors"] += 1
             await out.write_eof()
             return out
+
+    def _decode_order(self) -> list[str]:
+        i = next(self._r) % len(self.decode)
+        return self.decode[i:] + self.decode[:i]
+
+    async def _read_only(self, request: web.Request, path_qs: str,
+                         method: str | None = None) -> tuple[int, bytes, str]:
+        """The request sent to a decode instance: (status, body, content type).
+        Tries the next instance when one cannot be reached (the request only
+        reads); raises the last error when none can."""
+        assert self.session is not None
+        raw = await request.read()
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in _FORWARD_HEADERS + ("content-type",)}
+        err: BaseException | None = None
+        for url in self._decode_order():
+            try:
+                async with self.session.request(
+                        method or request.method, url + path_qs, data=raw or None,
+                        headers=headers, timeout=ClientTimeout(total=READ_TIMEOUT_S)) as r:
+                    return (r.status, await r.read(),
+                            r.headers.get("Content-Type", "application/json"))
+            except (ClientError, asyncio.TimeoutError) as e:
+                err = e
+        assert err is not None
+        raise err
+
+    async def read_only(self, request: web.Request) -> web.Response:
+        """A read-only vLLM endpoint, answered by a decode instance as is."""
+        try:
+            status, body, ctype = await self._read_only(request, request.path_qs)
+        except (ClientError, asyncio.TimeoutError) as e:
+            return self._upstream_error(request.path, e)
+        return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: the entry of /v1/models (OpenAI's
+        retrieve-model call; vLLM's server has no such route)."""
+        name = request.match_info["model"]
+        try:
+            status, body, ctype = await self._read_only(request, "/v1/models", "GET")
+        except (ClientError, asyncio.TimeoutError) as e:
+            return self._upstream_error(request.path, e)
+        if status != 200:
+            return web.Response(status=status, body=body, headers={"Content-Type": ctype})
+        for card in json.loads(body).get("data", []):
+            if card.get("id") == name:
+                return web.json_response(card)
+        return error_response(404, f"The model `{name}` does not exist.",
+                              type_="NotFoundError", param="model")
 
     async def _get(self, url: str) -> tuple[int, str]:
         assert self.session is not None

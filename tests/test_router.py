@@ -1,0 +1,251 @@
+"""The P/D router's HTTP surface without vLLM: the real router
+(vllm_patch.launch.router, in its ProxyThread) in front of tiny aiohttp
+stand-ins for the prefill and decode instances (the instances are outside
+the code under test; tests/e2e/test_router_openai.py runs the same calls
+against real vLLM servers). Checks: unknown path -> 404 and wrong method ->
+405 in OpenAI's error format; the read-only endpoints answered by a decode
+instance with its status and body passed through; an instance's 4xx reaches
+the client unchanged (never a 5xx); an unreachable decode instance is skipped
+for reads, none reachable -> 502; the official openai client's models calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+MODELS = {"object": "list", "data": [
+    {"id": "tiny", "object": "model", "created": 0, "owned_by": "vllm", "root": "/m/tiny",
+     "parent": None, "max_model_len": 512, "permission": []}]}
+# a 400 as vLLM writes it (bytes compared as they are: odd spacing on purpose)
+BAD = b'{"error": {"message": "bad  schema", "type": "BadRequestError", "param": null, "code": 400}}'
+
+
+class Served:
+    """An aiohttp app on an ephemeral port, in a thread with its own loop."""
+
+    def __init__(self, app) -> None:
+        from aiohttp import web
+
+        from vllm_patch.launch.supervisor import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = asyncio.new_event_loop()
+        self.runner = web.AppRunner(app, access_log=None)
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.run_until_complete(self.runner.setup())
+            self.loop.run_until_complete(
+                web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def fake_instance(role: str, seen: list):
+    """A stand-in vLLM server: the routes the router uses, nothing else
+    (an unknown path gets aiohttp's own plain-text 404)."""
+    from aiohttp import web
+
+    async def completions(request):
+        body = await request.json()
+        seen.append((role, request.path, body))
+        if body.get("prompt") == f"{role}-400":
+            return web.Response(status=400, body=BAD, content_type="application/json")
+        if role == "prefill":
+            return web.json_response({"choices": [{"text": "x"}],
+                                      "kv_transfer_params": {"from": "prefill"}})
+        return web.json_response({"id": "cmpl-1", "object": "text_completion", "created": 0,
+                                  "model": "tiny", "choices": [
+                                      {"index": 0, "text": "hi", "finish_reason": "stop",
+                                       "logprobs": None}]})
+
+    async def models(request):
+        seen.append((role, "/v1/models", request.headers.get("Authorization")))
+        return web.json_response(MODELS)
+
+    async def version(request):
+        return web.json_response({"version": "0.0-fake"})
+
+    async def tokenize(request):
+        body = await request.json()
+        seen.append((role, "/tokenize", body))
+        if body.get("prompt") == "":
+            return web.Response(status=400, body=BAD, content_type="application/json")
+        return web.json_response({"tokens": [1, 2], "count": 2, "max_model_len": 512})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    return app
+
+
+@pytest.fixture(scope="module")
+def stack():
+    """router -> a prefill stand-in and a decode stand-in; the stand-ins'
+    URLs too (for routers of other shapes)."""
+    from vllm_patch.launch.router import ProxyThread
+
+    seen: list = []
+    prefill = Served(fake_instance("prefill", seen))
+    decode = Served(fake_instance("decode", seen))
+    router = ProxyThread([prefill.url], [decode.url])
+    router.instances = (prefill.url, decode.url)
+    yield router, seen
+    router.stop()
+    decode.stop()
+    prefill.stop()
+
+
+def _openai_error(r, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["Content-Type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status
+    return err
+
+
+def test_unknown_path_is_openai_404(stack):
+    import requests
+
+    router, _ = stack
+    for method, path in (("GET", "/nope"), ("POST", "/v1/nope"), ("GET", "/v1/files")):
+        err = _openai_error(requests.request(method, router.url + path, timeout=10), 404)
+        assert err["type"] == "Not Found"  # vLLM's server: the HTTP phrase
+        assert err["message"] == f"Not Found: {method} {path}"
+
+
+def test_wrong_method_is_openai_405(stack):
+    import requests
+
+    router, _ = stack
+    r = requests.get(router.url + "/v1/completions", timeout=10)
+    err = _openai_error(r, 405)
+    assert err["type"] == "Method Not Allowed"
+    assert "POST" in err["message"] and r.headers["Allow"] == "POST"
+    r = requests.post(router.url + "/v1/models", json={}, timeout=10)
+    _openai_error(r, 405)
+    assert "GET" in r.headers["Allow"]
+
+
+def test_read_only_endpoints_pass_through(stack):
+    import requests
+
+    router, seen = stack
+    r = requests.get(router.url + "/v1/models", timeout=10,
+                     headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200 and r.json() == MODELS
+    assert ("decode", "/v1/models", "Bearer k") in seen  # the client's key goes along
+    assert requests.get(router.url + "/version", timeout=10).json() == {"version": "0.0-fake"}
+    r = requests.post(router.url + "/tokenize", json={"prompt": "ab"}, timeout=10)
+    assert r.status_code == 200 and r.json()["tokens"] == [1, 2]
+    assert ("decode", "/tokenize", {"prompt": "ab"}) in seen
+    # the instance's error: its status and its bytes
+    r = requests.post(router.url + "/tokenize", json={"prompt": ""}, timeout=10)
+    assert (r.status_code, r.content) == (400, BAD)
+    # an endpoint the instance does not serve: its status passed through
+    r = requests.get(router.url + "/tokenizer_info", timeout=10)
+    assert r.status_code == 404
+    assert not any(role == "prefill" and p != "/v1/completions" for role, p, *_ in seen)
+
+
+def test_instance_errors_reach_client_unchanged(stack):
+    import requests
+
+    router, seen = stack
+    for role in ("prefill", "decode"):
+        for stream in (False, True):
+            r = requests.post(router.url + "/v1/completions", timeout=10, json={
+                "model": "tiny", "prompt": f"{role}-400", "max_tokens": 4, "stream": stream})
+            assert (r.status_code, r.content) == (400, BAD), (role, stream, r.text)
+    # the P/D flow itself: decode got the prefill's kv_transfer_params
+    r = requests.post(router.url + "/v1/completions", timeout=10,
+                      json={"model": "tiny", "prompt": "ok", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "hi"
+    assert seen[-1][2]["kv_transfer_params"] == {"from": "prefill"}
+
+
+def test_invalid_json_body_is_openai_400(stack):
+    import requests
+
+    router, _ = stack
+    r = requests.post(router.url + "/v1/chat/completions", data=b"{not json",
+                      headers={"Content-Type": "application/json"}, timeout=10)
+    assert _openai_error(r, 400)["type"] == "BadRequestError"
+
+
+def test_read_only_skips_unreachable_decode(stack):
+    """Reads go round robin over the decode instances; one that cannot be
+    reached is skipped (the request only reads)."""
+    import requests
+
+    from vllm_patch.launch.router import ProxyThread
+    from vllm_patch.launch.supervisor import free_port
+
+    prefill, decode = stack[0].instances
+    router = ProxyThread([prefill], [f"http://127.0.0.1:{free_port()}", decode])
+    try:
+        for _ in range(3):  # each start of the round robin
+            r = requests.get(router.url + "/v1/models", timeout=30)
+            assert r.status_code == 200 and r.json() == MODELS
+    finally:
+        router.stop()
+
+
+def test_no_decode_instance_reachable_is_502():
+    import requests
+
+    from vllm_patch.launch.router import ProxyThread
+    from vllm_patch.launch.supervisor import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    router = ProxyThread([down], [down])
+    try:
+        for method, path, body in (("GET", "/v1/models", None),
+                                   ("POST", "/tokenize", {"prompt": "a"}),
+                                   ("GET", "/v1/models/tiny", None),
+                                   ("POST", "/v1/completions", {"prompt": "a"})):
+            r = requests.request(method, router.url + path, json=body, timeout=30)
+            assert _openai_error(r, 502)["type"] == "BadGatewayError", path
+    finally:
+        router.stop()
+
+
+def test_openai_client_models(stack):
+    import openai
+
+    router, _ = stack
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("other")
+    assert e.value.body == {"message": "The model `other` does not exist.",
+                            "type": "NotFoundError", "param": "model", "code": 404}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.get("/nope", cast_to=object)
+    assert e.value.body["type"] == "Not Found"
+    assert client.completions.create(model="tiny", prompt="ok",
+                                     max_tokens=4).choices[0].text == "hi"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="prefill-400", max_tokens=4)
+    assert e.value.body == json.loads(BAD)["error"]
