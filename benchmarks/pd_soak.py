@@ -76,7 +76,7 @@ def main() -> None:
     if a.connector == "NixlConnector":
         cfg = PDConfig.nixl(storage, spec_k=3, force_async=not a.sync)
         if a.vllm_nixl_pinning:
-            del cfg.env["VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY"]
+            cfg.env["VLLM_PATCH_NIXL_CPU_CORE_IN_BIND"] = "0"
     else:
         cfg = PDConfig(storage=storage, spec_k=3, force_async=not a.sync)
     if a.mode == "stock":

@@ -1,13 +1,15 @@
-"""The test-only switch `cpu-nixl-kv-core-in-affinity` on the real
-`CpuPlatform.discover_numa_topology` (0.32 and 0.33): off, NixlConnector's
-transfer core (the max of each node's list) can be a core the calling thread
-was not given, as vLLM computes it from /sys; on, it is one of the thread's
-own. The switch obeys its own variable in the stock run too."""
+"""The NIXL transfer-core fix `cpu-nixl-kv-core-in-bind` on the real
+`CpuPlatform.discover_numa_topology` (0.32 and 0.33), whose only caller is
+NixlConnector's CPU worker: it pins its main thread to the max of each list.
+Patched (on by default), an instance bound to one core by
+VLLM_CPU_OMP_THREADS_BIND gets that core; stock (VLLM_PATCH_DISABLE=1), the
+host's last core from /sys, whatever the binding says. Its own variable
+decides in both runs: 0 turns it off, 1 keeps it on under
+VLLM_PATCH_DISABLE=1 (stock NIXL pairs in tests share the set-up)."""
 
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
@@ -16,52 +18,47 @@ from vllm_patch.patching import REGISTRY, State
 
 pytestmark = pytest.mark.unit
 
-NAME = "cpu-nixl-kv-core-in-affinity"
+NAME = "cpu-nixl-kv-core-in-bind"
+VAR = "VLLM_PATCH_NIXL_CPU_CORE_IN_BIND"
 
 
-def _in_thread_bound_to(cpu: int):
-    """discover_numa_topology() from a thread bound to `cpu` (as a vLLM
-    worker's main thread is by VLLM_CPU_OMP_THREADS_BIND)."""
+def _transfer_cores() -> list[int]:
     from vllm.platforms.cpu import CpuPlatform
 
-    out: dict = {}
-
-    def run() -> None:
-        os.sched_setaffinity(0, {cpu})
-        out["nodes"] = CpuPlatform.discover_numa_topology()
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(30)
-    return out["nodes"]
+    return [max(n) for n in CpuPlatform.discover_numa_topology()]
 
 
 @pytest.fixture
-def two_cpus():
+def first_cpu(monkeypatch):
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("needs 2 CPUs")
-    return cpus
-
-
-def test_transfer_core_within_the_threads_cpus(monkeypatch, two_cpus):
-    first = two_cpus[0]
-    stock_nodes = _in_thread_bound_to(first)
-    assert REGISTRY.outcomes[NAME].state is not State.APPLIED
-    # vLLM's answer: the node's last core, not the one this thread was given
-    assert [max(n) for n in stock_nodes] != [first], stock_nodes
-
-    monkeypatch.setenv("VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY", "1")
+    monkeypatch.delenv(VAR, raising=False)
+    yield cpus[0]
+    monkeypatch.delenv(VAR, raising=False)
     vllm_patch.register()
-    try:
-        assert REGISTRY.outcomes[NAME].state is State.APPLIED
-        assert [max(n) for n in _in_thread_bound_to(first)] == [first]
-        # a thread allowed everything gets vLLM's answer unchanged
-        from vllm.platforms.cpu import CpuPlatform
 
-        assert CpuPlatform.discover_numa_topology() == stock_nodes
-    finally:
-        monkeypatch.delenv("VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY")
-        vllm_patch.register()
+
+def test_transfer_core_within_the_bound_cores(monkeypatch, first_cpu, patched):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    vllm_patch.register()
+    host_default = _transfer_cores()  # vLLM's own binding: its answer, both runs
+    assert host_default != [first_cpu], host_default
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", str(first_cpu))
+    if patched:
+        assert REGISTRY.outcomes[NAME].state is State.APPLIED
+        assert _transfer_cores() == [first_cpu]
+    else:  # stock: the host's last core, not the one the instance was given
+        assert REGISTRY.outcomes[NAME].state is State.DISABLED
+        assert _transfer_cores() == host_default
+
+    monkeypatch.setenv(VAR, "0")  # off in both runs
+    vllm_patch.register()
     assert REGISTRY.outcomes[NAME].state is not State.APPLIED
-    assert _in_thread_bound_to(first) == stock_nodes
+    assert _transfer_cores() == host_default
+
+    monkeypatch.setenv(VAR, "1")  # on in both runs, also under VLLM_PATCH_DISABLE=1
+    vllm_patch.register()
+    assert REGISTRY.outcomes[NAME].state is State.APPLIED
+    assert _transfer_cores() == [first_cpu]

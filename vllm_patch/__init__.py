@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # not enforced). A patch for vLLM module vllm.X.Y lives in vllm_patch.X.Y
 # (a folder with one file per guarantee when several patch that module).
 PATCH_MODULES: dict[str, tuple[str, ...]] = {
-    "vllm_patch.platforms.cpu": ("test-only",),
+    "vllm_patch.platforms.cpu": ("test-only", "package"),
     "vllm_patch.v1.engine.core": ("package",),
     "vllm_patch.v1.core.sched.scheduler.g1_inflight": ("G1",),
     "vllm_patch.v1.core.sched.scheduler.g2_commit_cut": ("G2",),
@@ -126,13 +126,20 @@ def register() -> None:
         return
     applied = [o.patch.name for o in outcomes if o.state is patching.State.APPLIED]
     if settings.disable:
-        # Only test-only switches can be applied here (patching.disabled).
+        # Only switches set by their own variable apply here
+        # (patching.disabled).
         if getattr(register, "_said_disabled", None) != applied:
+            test_only = [o.patch.name for o in outcomes
+                         if o.state is patching.State.APPLIED
+                         and o.patch.guarantee == "test-only"]
+            fixes = [n for n in applied if n not in test_only]
             logger.warning(
                 "vllm_patch: VLLM_PATCH_DISABLE=1, no patch applied: "
-                "G1-G4 are NOT enforced (stock vLLM)%s",
+                "G1-G4 are NOT enforced (stock vLLM)%s%s",
                 "; TEST ONLY switches still on (each set by its own variable): "
-                + ", ".join(applied) if applied else "",
+                + ", ".join(test_only) if test_only else "",
+                "; still on, set by their own variable: " + ", ".join(fixes)
+                if fixes else "",
             )
             register._said_disabled = applied  # type: ignore[attr-defined]
         return

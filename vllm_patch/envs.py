@@ -27,6 +27,11 @@ def _flag(name: str, default: bool) -> bool:
     )
 
 
+def _optional_flag(name: str) -> bool | None:
+    """None when the variable is unset (the patch's own default applies)."""
+    return _flag(name, False) if os.environ.get(name, "").strip() else None
+
+
 def _names(name: str) -> frozenset[str]:
     raw = os.environ.get(name, "")
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
@@ -54,9 +59,10 @@ class Settings:
     # TEST ONLY: keep async scheduling on the CPU platform, which silently
     # turns it off. Never set this in production.
     test_force_async_scheduling: bool
-    # TEST ONLY: NixlConnector's CPU transfer core taken from the instance's
-    # own CPUs (several instances on one host). Never set this in production.
-    test_nixl_core_in_affinity: bool
+    # NixlConnector's CPU KV-transfer core taken from the instance's
+    # VLLM_CPU_OMP_THREADS_BIND cores. None (unset): on, except under
+    # VLLM_PATCH_DISABLE=1; True: on even there; False: off.
+    nixl_cpu_core_in_bind: bool | None
 
 
 ENV_VARS: dict[str, str] = {
@@ -84,8 +90,11 @@ ENV_VARS: dict[str, str] = {
     "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING": (
         "TEST ONLY: keep async scheduling on the CPU platform"
     ),
-    "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY": (
-        "TEST ONLY: NixlConnector's CPU transfer core from the instance's own CPUs"
+    "VLLM_PATCH_NIXL_CPU_CORE_IN_BIND": (
+        "on by default: NixlConnector's KV-transfer core on a CPU host is one "
+        "of the instance's VLLM_CPU_OMP_THREADS_BIND cores (vLLM puts every "
+        "NIXL instance of a host on its last core); 0 turns it off, 1 keeps "
+        "it on under VLLM_PATCH_DISABLE=1"
     ),
 }
 
@@ -104,7 +113,5 @@ def settings() -> Settings:
         test_force_async_scheduling=_flag(
             "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", False
         ),
-        test_nixl_core_in_affinity=_flag(
-            "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY", False
-        ),
+        nixl_cpu_core_in_bind=_optional_flag("VLLM_PATCH_NIXL_CPU_CORE_IN_BIND"),
     )

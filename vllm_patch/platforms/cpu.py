@@ -1,6 +1,7 @@
-"""TEST ONLY switches for vllm.platforms.cpu (each opt-in by its own variable,
-also honoured under VLLM_PATCH_DISABLE=1 so stock and patched runs share the
-set-up; see patching.disabled).
+"""Patches of vllm.platforms.cpu: a TEST ONLY switch (opt-in by its own
+variable, also honoured under VLLM_PATCH_DISABLE=1 so stock and patched runs
+share the set-up; see patching.disabled) and a production fix for
+NixlConnector on CPU hosts that run several instances.
 
 1. `cpu-force-async-scheduling`: keep async scheduling on the CPU platform.
 
@@ -12,15 +13,24 @@ value the config held when the platform hook was called (the user's choice,
 or vLLM's resolved default). Opt-in through
 `VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING=1`; never set it in production.
 
-2. `cpu-nixl-kv-core-in-affinity`: keep NIXL's transfer core within the
-instance's CPUs. NixlConnector's CPU worker reserves "the last core of each
-NUMA node" for the KV transfer and moves the worker's main thread there
-(`CpuPlatform.discover_numa_topology` reads /sys and ignores the CPUs the
-instance was given), so every NIXL instance on one host lands on the same
-core whatever VLLM_CPU_OMP_THREADS_BIND says, and on a small host a busy
-instance starves the others that share it. The switch keeps only the CPUs
-the calling thread may already run on. Opt-in through
-`VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1`; nothing in G1-G4 depends on it.
+2. `cpu-nixl-kv-core-in-bind` (production fix, on by default; not a
+G1-G4 guarantee): keep NIXL's KV-transfer core within the instance's own
+cores. NixlConnector's CPU worker reserves "the last core of each NUMA node"
+for the KV transfer and moves the worker's main thread there
+(`os.sched_setaffinity`, vLLM nixl/base_worker.py, the only caller of
+`CpuPlatform.discover_numa_topology` in 0.32 and 0.33). The list comes from
+/sys and ignores VLLM_CPU_OMP_THREADS_BIND, so every NIXL instance on one
+host lands on the same core. vLLM's own binding ("auto") reserves that core
+for one instance per host; with explicit bindings (several instances per
+host, as `vllm-patch launch` sets them) nothing does, and one instance's
+busy worker starves the other's on the shared core: a 64-request P/D batch
+took 180 s instead of 24 s, and an async-scheduling decode worker died on
+vLLM's 300 s execute-model timeout (EngineDeadError). The fix keeps, of each
+node's list, the cores named in VLLM_CPU_OMP_THREADS_BIND; vLLM's answer
+when that variable is "auto"/"nobind" or names none of them.
+`VLLM_PATCH_NIXL_CPU_CORE_IN_BIND=0` turns it off; `=1` keeps it on even
+under VLLM_PATCH_DISABLE=1, so a stock run can share the set-up of a
+patched one.
 """
 
 from __future__ import annotations
@@ -53,21 +63,41 @@ def _make_check_and_update_config(original: Any) -> classmethod:
     return classmethod(check_and_update_config)
 
 
+def bound_cores() -> set[int] | None:
+    """The cores VLLM_CPU_OMP_THREADS_BIND names ("0-3|4-7": every rank's),
+    None for vLLM's own binding ("auto", "nobind") or an unreadable value."""
+    raw = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto").strip()
+    if raw in ("", "auto", "nobind"):
+        return None
+    cores: set[int] = set()
+    try:
+        for part in raw.replace("|", ",").split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        return None
+    return cores
+
+
 def _make_discover_numa_topology(original: Any) -> classmethod:
     func = original.__func__
 
     def discover_numa_topology(cls):
         nodes = func(cls)
-        allowed = os.sched_getaffinity(0)
+        allowed = bound_cores()
+        if allowed is None:
+            return nodes
         kept = [[c for c in node if c in allowed] for node in nodes]
         kept = [node for node in kept if node]
-        if not kept:  # none of the instance's CPUs is listed: keep vLLM's answer
+        if not kept:  # none of the bound cores is listed: keep vLLM's answer
             return nodes
         if kept != nodes:
-            logger.warning(
-                "vllm_patch: TEST ONLY (VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1): "
-                "NIXL transfer cores %s instead of %s (this instance's CPUs: %s)",
-                kept, nodes, sorted(allowed))
+            logger.info(
+                "vllm_patch: NixlConnector's KV-transfer core(s) %s, within "
+                "VLLM_CPU_OMP_THREADS_BIND=%s (vLLM would pin every NIXL "
+                "instance of this host to %s)",
+                [max(n) for n in kept], os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                [max(n) for n in nodes])
         return kept
 
     return classmethod(discover_numa_topology)
@@ -90,21 +120,23 @@ PATCHES: list[Patch] = [
         enabled=lambda s: s.test_force_async_scheduling,
     ),
     Patch(
-        name="cpu-nixl-kv-core-in-affinity",
-        guarantee="test-only",
+        name="cpu-nixl-kv-core-in-bind",
+        guarantee="package",
         target="vllm.platforms.cpu:CpuPlatform.discover_numa_topology",
         versions=("0.32", "0.33"),
         signature=("cls",),
         make=_make_discover_numa_topology,
         why=("NixlConnector's CPU worker pins its main thread to the last core "
-             "of each NUMA node from /sys, so every NIXL instance on one host "
-             "shares one core, where a busy prefill worker starves the "
-             "decode worker"),
-        how=("wraps the classmethod: keeps only the cores the calling thread "
-             "may run on (its VLLM_CPU_OMP_THREADS_BIND), vLLM's answer when "
-             "none is left"),
+             "of each NUMA node from /sys, whatever VLLM_CPU_OMP_THREADS_BIND "
+             "says, so the NIXL instances of one host share one core, where a "
+             "busy worker starves the other (P/D batches 7x slower, decode "
+             "workers past vLLM's execute-model timeout)"),
+        how=("wraps the classmethod (whose only caller is that NIXL worker): "
+             "keeps, of each node's cores, those VLLM_CPU_OMP_THREADS_BIND "
+             "names; vLLM's answer under its own binding (auto/nobind)"),
         upstream="none yet (vLLM nixl/base_worker.py 'reserve different cores')",
-        remove_when="vLLM picks the transfer core within the instance's CPUs",
-        enabled=lambda s: s.test_nixl_core_in_affinity,
+        remove_when="vLLM picks the transfer core within the instance's bound cores",
+        enabled=lambda s: s.nixl_cpu_core_in_bind is not False,
+        keep_when_disabled=lambda s: s.nixl_cpu_core_in_bind is True,
     ),
 ]

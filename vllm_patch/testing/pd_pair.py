@@ -49,11 +49,12 @@ class PDConfig:
     def nixl(cls, storage: str, **kw: Any) -> "PDConfig":
         """NixlConnector on the CPU: side channels on 127.0.0.1, a port each,
         a KV lease long enough for a slow 2-core machine, and each instance's
-        NIXL transfer core taken from its own CPUs (test-only switch; vLLM
-        puts every instance on the host's last core: vllm_patch.platforms.cpu)."""
+        NIXL transfer core taken from its own bound core, in the stock run
+        too (VLLM_PATCH_NIXL_CPU_CORE_IN_BIND=1; vLLM puts every instance on
+        the host's last core: vllm_patch.platforms.cpu)."""
         return cls(storage=storage, connector="NixlConnector",
                    env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-                        "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY": "1"},
+                        "VLLM_PATCH_NIXL_CPU_CORE_IN_BIND": "1"},
                    role_env={"prefill": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
                              "decode": {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}},
                    extra_connector_config={"kv_lease_duration": 300}, **kw)
