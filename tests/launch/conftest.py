@@ -14,8 +14,11 @@ NODES = {"head_node": "head", "prefill_node": "prefill", "decode_node": "decode"
 
 
 def pytest_collection_modifyitems(items):
+    """Every test here is in the launch tier, except the pure-logic ones
+    marked `unit` (no Ray, no server)."""
     for item in items:
-        if "tests/launch/" in str(item.fspath).replace(os.sep, "/"):
+        if ("tests/launch/" in str(item.fspath).replace(os.sep, "/")
+                and item.get_closest_marker("unit") is None):
             item.add_marker(pytest.mark.launch)
 
 

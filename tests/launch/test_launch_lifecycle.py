@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,10 +132,10 @@ def test_killed_instance_is_restarted(ray_cluster):
         assert dec.status["pid"] == after["pid"]
 
 
-def test_dead_supervisor_takes_its_server_along(ray_cluster):
+def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
     """The actor's process dies (node agent kill, OOM): its server and the
     server's child stop too (PDEATHSIG), and the deployment reports it."""
-    with Deployment(config()) as dep:
+    with Deployment(config(log_dir=str(tmp_path))) as dep:  # failure: logs kept
         dec = dep.role_instances("decode")[0]
         pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == dec.status["pid"]]
         assert len(pids) == 2
@@ -144,17 +146,26 @@ def test_dead_supervisor_takes_its_server_along(ray_cluster):
             dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
 
 
-def test_restarts_are_bounded(ray_cluster):
-    cfg = config(max_restarts=1, decode={"node_resource": "decode_node",
-                                         "env": {"STANDIN_CRASH_AFTER_S": "0.3"}})
+def test_restarts_are_bounded(ray_cluster, tmp_path):
+    """A server that was healthy and keeps dying is restarted max_restarts
+    times; each restart line names the new pid and the exit cause."""
+    cfg = config(max_restarts=1, log_dir=str(tmp_path),  # failure: logs kept
+                 decode={"node_resource": "decode_node",
+                         "env": {"STANDIN_CRASH_AFTER_S": "4"}})
     deadline = time.monotonic() + 60
+    lines: list[str] = []
     with pytest.raises(LaunchError) as e:
-        with Deployment(cfg) as dep:  # may be healthy first
+        with Deployment(cfg, progress=lines.append) as dep:
+            first = dep.role_instances("decode")[0].status["pid"]
             dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
     msg = str(e.value)
-    assert "decode-0: server exited with code 3" in msg, msg
+    assert "decode-0: server exited with code 3 (exit code 3)" in msg, msg
     assert "restarted 1 time(s), the maximum (max_restarts=1)" in msg, msg
     assert "===== start" in msg  # the server's log tail is part of the error
+    restart = [line for line in lines if "decode-0 exited" in line]
+    assert len(restart) == 1 and "(code 3: exit code 3); restarted (1/1) as pid" in \
+        restart[0], lines
+    assert int(restart[0].rsplit(" ", 1)[1]) != first  # the new server's pid
 
 
 @pytest.mark.parametrize("kw, expected", [
@@ -248,8 +259,10 @@ def test_cpu_bind_ranges():
 
 
 def test_cli_launch_and_sigint(ray_cluster, tmp_path):
-    """The command a user runs: YAML + flags, endpoint printed, Ctrl-C tears
-    everything down and exits 0."""
+    """The command a user runs: YAML + flags, endpoint printed, SIGINT tears
+    everything down and exits 0, also when the command was started in the
+    background by a non-interactive shell (SIGINT ignored on entry), and
+    the deployment's temp folder (logs, vLLM's sockets) is gone."""
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(f"model: standin\nserver_command: {json.dumps(STANDIN)}\n"
                    "prefill: {node_resource: prefill_node}\n"
@@ -259,7 +272,8 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
     proc = subprocess.Popen(
         [str(exe), "launch", "--config", str(cfg), "--address", ray_cluster.address,
          "--port", "0", "--ready-file", str(ready), "--", "--max-model-len", "512"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # `cmd &`
     try:
         deadline = time.monotonic() + 90
         while not ready.exists():
@@ -281,6 +295,40 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
     assert f"endpoint: {info['url']}" in out
     assert "stopping 2 instance(s)" in err
     assert gone(pids) == []
+    folder = Path(re.search(r"log (\S+)/prefill-0\.log", err).group(1))
+    assert folder.name.startswith("vllm-patch-launch-") and not folder.exists(), err
+    assert "logs kept" not in err
+
+
+def test_cli_start_failure_fails_fast(ray_cluster):
+    """A server that fails the same way twice before it is healthy stops the
+    command at once with the cause; restart lines name the new pid; the
+    logs are kept (and said where), nothing else."""
+    exe = Path(sys.executable).with_name("vllm-patch")
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [str(exe), "launch", "--model", "standin", "--address", ray_cluster.address,
+         "--port", "0", "--connector", "ExampleConnector", "--server-command",
+         "{python} -c \"raise ValueError('model /m is not a model')\""],
+        capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr
+    assert took < 60, took
+    assert re.search(r"error: (prefill|decode)-0: the server failed to start twice with "
+                     r"the same error, not restarted again: ValueError: model /m is not a "
+                     r"model\nlast lines of ", r.stderr), r.stderr
+    started = {m[0]: int(m[1]) for m in re.findall(r"(\w+-0) starting: \S+ pid (\d+)",
+                                                   r.stderr)}
+    for name, pid in re.findall(r"(\w+-0) exited \(code 1: ValueError: model /m is not a "
+                                r"model\); restarted \(1/3\) as pid (\d+)", r.stderr):
+        assert int(pid) != started[name]
+    kept = re.search(r"logs kept: (\S+?)(?:,|\n)", r.stderr).group(1)
+    folder = Path(kept).parent
+    try:
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "decode-0.log", "prefill-0.log"]  # no KV storage, no sockets
+    finally:
+        shutil.rmtree(folder)
 
 
 def test_cli_errors_exit_nonzero(ray_cluster):

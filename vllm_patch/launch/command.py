@@ -9,8 +9,24 @@ Arguments after `--` go to every vLLM server unchanged; --prefill-args /
 YAML file (see vllm_patch/launch/config.py for its keys). Progress and
 errors go to stderr; the endpoint line `endpoint: http://host:port` to
 stdout, and with --ready-file a JSON file {"url", "instances"} is written
-once every instance answers /health. Ctrl-C or SIGTERM tears everything
-down.
+once every instance answers /health. Ctrl-C, SIGINT or SIGTERM (also when
+the command runs in the background) tears everything down.
+
+Memory: on the CPU, vLLM reserves --gpu-memory-utilization (default 0.92) of
+the host's memory for each server. Servers that share a host get a share
+each (two servers on a host with its memory free: about 0.41 each); a
+server given --gpu-memory-utilization, --kv-cache-memory-bytes or
+VLLM_CPU_KVCACHE_SPACE keeps the user's setting.
+
+Files: each node keeps the deployment's files in
+<temp dir>/vllm-patch-launch-<id>: server logs (or in --log-dir), the
+ExampleConnector KV storage, the local Ray cluster's session. At the end the
+KV storage and Ray's session are removed, and the logs too unless the
+deployment failed (then the last line says where they are).
+
+A server that never became healthy and fails twice with the same error is
+not restarted again: the command stops everything and prints the error and
+the server's last log lines.
 
 Exit codes: 0 after a requested stop, 1 when the deployment cannot start or
 an instance keeps dying (more than --max-restarts restarts), 2 bad usage.
@@ -24,6 +40,8 @@ import signal
 import sys
 from typing import Any
 
+_stopping = False
+
 
 def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     o: dict[str, Any] = {}
@@ -36,6 +54,8 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
         o["start_timeout_s"] = a.start_timeout
     if a.vllm_args:
         o["vllm_args"] = a.vllm_args
+    if a.kv_connector_extra_config is not None:
+        o["kv_connector_extra_config"] = a.kv_connector_extra_config
     router = {k: v for k, v in (("host", a.host), ("port", a.port)) if v is not None}
     if router:
         o["router"] = router
@@ -61,8 +81,32 @@ def _labels(text: str) -> dict[str, str]:
     return out
 
 
-def _raise_interrupt(signum: int, frame: Any) -> None:
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _stop(signum: int, frame: Any) -> None:
+    """SIGINT / SIGTERM: stop (once; a second signal while stopping waits)."""
+    global _stopping
+    if _stopping:
+        print("stopping, please wait", file=sys.stderr, flush=True)
+        return
+    _stopping = True
     raise KeyboardInterrupt
+
+
+def handle_stop_signals() -> None:
+    """SIGINT and SIGTERM both stop the command. Set explicitly: a command
+    started with `&` by a non-interactive shell inherits SIGINT ignored, and
+    Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -76,7 +120,7 @@ def main(a: argparse.Namespace) -> int:
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    handle_stop_signals()
     try:
         with Deployment(cfg) as dep:
             print(f"endpoint: {dep.url}", flush=True)
@@ -106,6 +150,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--address", help="Ray address (default: RAY_ADDRESS, else start "
                    "a local Ray)")
     p.add_argument("--connector", help="KV connector (default NixlConnector)")
+    p.add_argument("--kv-connector-extra-config", type=_json_object, metavar="JSON",
+                   help="the connector's kv_connector_extra_config (e.g. "
+                   "'{\"shared_storage_path\": \"/shared/kv\"}' for ExampleConnector "
+                   "across hosts; default there: the deployment's temp folder)")
     p.add_argument("--prefill", type=int, help="number of prefill instances (default 1)")
     p.add_argument("--decode", type=int, help="number of decode instances (default 1)")
     for role in ("prefill", "decode"):
@@ -121,7 +169,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, help="router port (default 8000; 0: free)")
     p.add_argument("--max-restarts", type=int, help="restarts per instance (default 3)")
     p.add_argument("--start-timeout", type=float, help="seconds to wait for /health")
-    p.add_argument("--log-dir", help="server logs, on each node (default: a temp dir)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="server logs, on each node, always kept (default: the "
+                   "deployment's temp folder, kept only if the deployment fails)")
     p.add_argument("--server-command", help=argparse.SUPPRESS)  # tests: a stand-in
     p.add_argument("--ready-file", help="write {url, instances} as JSON when ready")
     p.add_argument("vllm_args", nargs="*", metavar="-- VLLM_ARGS",

@@ -113,10 +113,12 @@ def main(args: argparse.Namespace) -> int:
     import ray
 
     from vllm_patch.launch import show_progress
+    from vllm_patch.launch.command import handle_stop_signals
     from vllm_patch.testing import workload as wl
     from vllm_patch.testing import tiny_model
 
     show_progress()
+    handle_stop_signals()
     t0 = time.monotonic()
     logger.info("building (or finding) the tiny local model")
     model = str(tiny_model.build_target())
@@ -124,7 +126,11 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-patch-demo-") as workdir:
         logger.info("starting a local Ray cluster")
-        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+        # Ray's session folder inside the work dir (removed with it);
+        # ray.init sets its own SIGTERM handler: put ours back
+        ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                 _temp_dir=f"{workdir}/ray")
+        handle_stop_signals()
         try:
             for mode in args.modes:
                 rows.append(run_mode(mode, model, workdir, requests, args.spec_k))

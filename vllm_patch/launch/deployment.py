@@ -8,7 +8,19 @@ servers, each supervised by a Ray actor on its node, and the P/D router
 
 Leaving the block (normally, on an error or on Ctrl-C) stops the router,
 every server's process group and every actor, and the local Ray cluster if
-this process started it. Nothing else is touched. Progress is logged
+this process started it. Nothing else is touched. Each node keeps the
+deployment's files in one folder, `<temp dir>/vllm-patch-launch-<id>`:
+server logs (unless `log_dir` is set), ExampleConnector's KV storage (unless
+`shared_storage_path` is set), vLLM's IPC sockets, and the local Ray
+cluster's session; the KV storage goes at the end, the rest too unless the
+deployment failed (then the logs stay, and the last message says where).
+
+Memory: on a CPU node vLLM reserves `--gpu-memory-utilization` (default
+0.92) of the NUMA node's memory per server and refuses to start when less is
+available. Instances that share a host get a share each (see
+`memory_utilization`), like the cores; a server given
+--gpu-memory-utilization, --kv-cache-memory-bytes or VLLM_CPU_KVCACHE_SPACE
+keeps the user's setting. Progress is logged
 (logger `vllm_patch.launch.deployment`); `vllm_patch.launch.show_progress()`
 prints it, as the `launch` and `demo` commands do.
 """
@@ -18,7 +30,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
+import secrets
+import shutil
+import signal
+import tempfile
+import threading
 import time
 import urllib.request
 from typing import Any, Callable
@@ -27,6 +45,19 @@ from vllm_patch.launch.config import ROLES, LaunchConfig, LaunchError
 from vllm_patch.launch.supervisor import InstanceSupervisor, port_free
 
 PLACE_TIMEOUT_S = 120.0
+
+# vLLM's default --gpu-memory-utilization (CacheConfig.gpu_memory_utilization),
+# on the CPU the fraction of the NUMA node's memory one server reserves.
+VLLM_MEMORY_UTILIZATION = 0.92
+# Of the memory available when the launcher looks, the part it hands out
+# (the rest absorbs what other processes allocate while the servers start).
+MEMORY_HEADROOM = 0.9
+# Below this per server, the launcher refuses to start (a vLLM CPU server's
+# own process takes 1-2 GiB before weights and KV cache).
+MIN_SERVER_MEMORY = 2 << 30
+# vLLM flags / variables that set a server's memory itself.
+MEMORY_FLAGS = ("--gpu-memory-utilization", "--device-memory-utilization",
+                "--kv-cache-memory-bytes")
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +93,35 @@ def cpu_bind_ranges(cpus: list[int], n: int) -> list[str] | None:
     return out
 
 
+def memory_utilization(total: int, available: int, n: int) -> float | None:
+    """The --gpu-memory-utilization for each of `n` vLLM servers that share
+    a NUMA node with `total` bytes, `available` free: vLLM's default budget
+    (0.92 x total), capped at 90 % of what is available, split evenly.
+    None when vLLM's default already fits (one server, enough available).
+
+    vLLM's CPU worker reserves utilization x total and checks it against the
+    memory available when it starts (0.32: "Available memory on node 0 ...
+    is less than desired CPU memory utilization"; 0.32 and 0.33: again
+    before allocating the KV cache), so a server that starts after another
+    has allocated its share still finds its own: with the cap, the n-th
+    sees at least available x (1 - 0.9 (n-1)/n) >= its 0.9 x available / n."""
+    if n == 1 and VLLM_MEMORY_UTILIZATION * total <= available:
+        return None
+    budget = min(VLLM_MEMORY_UTILIZATION * total, MEMORY_HEADROOM * available)
+    return math.floor(budget / n / total * 1000 + 1e-6) / 1000
+
+
+def own_memory_setting(args: list[str], env: dict[str, str]) -> str | None:
+    """The flag or variable with which the user set a server's memory."""
+    for a in args:
+        flag = a.split("=", 1)[0]
+        if flag in MEMORY_FLAGS:
+            return flag
+    if env.get("VLLM_CPU_KVCACHE_SPACE", "").strip():
+        return "VLLM_CPU_KVCACHE_SPACE"
+    return None
+
+
 class Deployment:
     def __init__(self, cfg: LaunchConfig,
                  progress: Callable[[str], None] | None = None) -> None:
@@ -75,6 +135,11 @@ class Deployment:
         self._connected = False
         self._t0 = time.monotonic()
         self._closed = False
+        self._failed = False
+        # Names this deployment's folder on every node.
+        self.id = secrets.token_hex(4)
+        self._ray_dir: str | None = None
+        self._kv_storage: str | None = None
 
     # ---- public --------------------------------------------------------
     @property
@@ -100,13 +165,15 @@ class Deployment:
     def __enter__(self) -> "Deployment":
         try:
             self.start()
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.close(failed=not isinstance(e, (KeyboardInterrupt, SystemExit)))
             raise
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        # a stop asked for (Ctrl-C, SIGTERM) is not a failure: no logs kept
+        self.close(failed=exc_type is not None
+                   and not issubclass(exc_type, (KeyboardInterrupt, SystemExit)))
 
     def start(self) -> None:
         cfg = self.cfg
@@ -144,6 +211,7 @@ class Deployment:
                               "(or ray>=2.50)") from None
 
         address = self.cfg.address or os.environ.get("RAY_ADDRESS")
+        handlers = _signal_handlers()  # ray.init sets its own SIGTERM handler
         if ray.is_initialized():
             self._say("using the Ray connection of this process")
         elif address:
@@ -152,9 +220,14 @@ class Deployment:
             self._connected = True
         else:
             self._say("starting a local Ray cluster")
+            # its session folder inside the deployment's, not /tmp/ray
+            self._ray_dir = os.path.join(tempfile.gettempdir(),
+                                         f"vllm-patch-launch-{self.id}", "ray")
             # "local": a new cluster, never a running one found on this host
-            ray.init(address="local", include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     _temp_dir=self._ray_dir)
             self._connected = self._owns_ray = True
+        _restore_signal_handlers(handlers)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self._gpu_nodes = {n["NodeID"] for n in nodes if n["Resources"].get("GPU", 0) > 0}
         resources = ray.cluster_resources()
@@ -193,7 +266,8 @@ class Deployment:
                 if not rc.node_resource and not rc.node_labels:
                     opts["scheduling_strategy"] = "SPREAD"
                 actor = actor_cls.options(**opts).remote(
-                    f"{role}-{i}", self.cfg.max_restarts, self.cfg.log_dir)
+                    f"{role}-{i}", self.cfg.max_restarts, self.cfg.log_dir,
+                    deployment_id=self.id)
                 self.instances.append(Instance(role, i, actor))
         refs = [i.actor.node_info.remote() for i in self.instances]
         try:
@@ -212,6 +286,8 @@ class Deployment:
         env = {**self.cfg.env, **rc.env}
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", inst.info["ip"])
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port))
+        # vLLM's ZMQ IPC sockets: in the deployment's folder, not the temp dir
+        env.setdefault("VLLM_RPC_BASE_PATH", inst.info["tmp_dir"])
         if bind is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         return env
@@ -238,29 +314,94 @@ class Deployment:
                 continue
             for inst, r in zip(insts, ranges):
                 binds[inst.name] = r
-            if (len(insts) > 1 and self.cfg.connector == "NixlConnector"
-                    and not any(self._env_flag(i, "VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY")
-                                for i in insts)):
-                self._say(
-                    f"{len(insts)} NixlConnector instances on {host}: vLLM's NIXL "
-                    "CPU worker moves each one's main thread to the host's last "
-                    "core whatever VLLM_CPU_OMP_THREADS_BIND says, so they share one "
-                    "core (VLLM_PATCH_TEST_NIXL_CORE_IN_AFFINITY=1 keeps each "
-                    "within its own cores, test-only)", logging.WARNING)
+            if len(insts) > 1 and self.cfg.connector == "NixlConnector":
+                off = [i.name for i in insts if not self._nixl_core_fix_on(i)]
+                if off:
+                    self._say(
+                        f"{len(insts)} NixlConnector instances on {host}, the NIXL "
+                        f"transfer-core fix is off for {', '.join(off)} "
+                        "(VLLM_PATCH_DISABLE=1 or VLLM_PATCH_NIXL_CPU_CORE_IN_BIND=0): "
+                        "vLLM's NIXL CPU worker moves each one's main thread to the "
+                        "host's last core whatever VLLM_CPU_OMP_THREADS_BIND says, "
+                        "where one instance's busy worker starves the other; "
+                        "VLLM_PATCH_NIXL_CPU_CORE_IN_BIND=1 keeps each within its "
+                        "own cores", logging.WARNING)
         return binds
 
-    def _env_flag(self, inst: Instance, name: str) -> bool:
+    def _server_env(self, inst: Instance) -> dict[str, str]:
+        """The variables a server gets that the launcher can see (its own
+        environment stands in for the node's)."""
+        rc = self.cfg.role(inst.role)
+        return {**os.environ, **self.cfg.env, **rc.env}
+
+    def _nixl_core_fix_on(self, inst: Instance) -> bool:
         from vllm_patch import envs
 
-        rc = self.cfg.role(inst.role)
-        return {**self.cfg.env, **rc.env}.get(name, "0").strip().lower() in envs._TRUE
+        env = self._server_env(inst)
+        own = env.get("VLLM_PATCH_NIXL_CPU_CORE_IN_BIND", "").strip().lower()
+        if own:
+            return own in envs._TRUE
+        return env.get("VLLM_PATCH_DISABLE", "0").strip().lower() not in envs._TRUE
+
+    def _memory_args(self) -> dict[str, list[str]]:
+        """--gpu-memory-utilization per server that shares a CPU host with
+        others (or whose host has less available than vLLM's default needs)
+        and has no memory setting of its own; LaunchError when the share
+        would be too small to start a server."""
+        args: dict[str, list[str]] = {i.name: [] for i in self.instances}
+        by_host: dict[str, list[Instance]] = {}
+        for inst in self.instances:
+            if inst.info["node_id"] not in self._gpu_nodes:
+                by_host.setdefault(inst.info["ip"], []).append(inst)
+        for host, insts in by_host.items():
+            own = {}
+            for inst in insts:
+                rc = self.cfg.role(inst.role)
+                env = {**self.cfg.env, **rc.env}
+                if inst.info.get("kvcache_env"):
+                    env.setdefault("VLLM_CPU_KVCACHE_SPACE", inst.info["kvcache_env"])
+                setting = own_memory_setting([*self.cfg.vllm_args, *rc.vllm_args], env)
+                if setting:
+                    own[inst.name] = setting
+            rest = [i for i in insts if i.name not in own]
+            if not rest:
+                continue
+            mem = insts[0].info["memory"]
+            util = memory_utilization(mem["total"], mem["available"], len(insts))
+            if util is None:
+                continue
+            gib = lambda b: f"{b / (1 << 30):.1f}"  # noqa: E731
+            share = int(util * mem["total"])
+            if share < MIN_SERVER_MEMORY:
+                raise LaunchError(
+                    f"{len(insts)} vLLM server(s) on {host} would get "
+                    f"{gib(share)} GiB of memory each ({gib(mem['available'])} of "
+                    f"{gib(mem['total'])} GiB available on NUMA node {mem['node']}), "
+                    f"less than the {gib(MIN_SERVER_MEMORY)} GiB a server needs to "
+                    "start: free memory, place fewer instances on that host, or set "
+                    "each server's memory yourself with --kv-cache-memory-bytes "
+                    "(or --gpu-memory-utilization) after `--`")
+            for inst in rest:
+                args[inst.name] = ["--gpu-memory-utilization", f"{util:g}"]
+            kept = f"; kept their own setting: {', '.join(f'{n} ({f})' for n, f in own.items())}" \
+                if own else ""
+            self._say(
+                f"memory on {host}: {gib(mem['available'])} of {gib(mem['total'])} GiB "
+                f"available, {len(insts)} server(s): {', '.join(i.name for i in rest)} "
+                f"get --gpu-memory-utilization {util:g} ({gib(share)} GiB each, weights "
+                f"and KV cache){kept}; set --gpu-memory-utilization or "
+                "--kv-cache-memory-bytes after `--` to choose")
+        return args
 
     def _kv_config(self, inst: Instance) -> dict[str, Any]:
         cfg = self.cfg
+        extra = dict(cfg.kv_connector_extra_config)
+        if self._kv_storage is not None:
+            extra.setdefault("shared_storage_path", self._kv_storage)
         kv: dict[str, Any] = {
             "kv_connector": cfg.connector,
             "kv_role": "kv_producer" if inst.role == "prefill" else "kv_consumer",
-            "kv_connector_extra_config": dict(cfg.kv_connector_extra_config),
+            "kv_connector_extra_config": extra,
             **cfg.kv_transfer_config}
         if cfg.connector == "NixlConnector" and inst.info["node_id"] not in self._gpu_nodes:
             kv.setdefault("kv_buffer_device", "cpu")
@@ -271,6 +412,13 @@ class Deployment:
 
         cfg = self.cfg
         binds = self._binds()
+        memory = self._memory_args()
+        if (cfg.connector == "ExampleConnector"
+                and "shared_storage_path" not in cfg.kv_connector_extra_config):
+            # vLLM's default is the temp dir itself; ours goes with the
+            # deployment (one host; across hosts set a shared path)
+            self._kv_storage = os.path.join(self.role_instances("prefill")[0]
+                                            .info["tmp_dir"], "kv")
         prepared = []
         for inst in self.instances:
             rc = cfg.role(inst.role)
@@ -296,7 +444,7 @@ class Deployment:
             if cfg.served_model_name:
                 cmd += ["--served-model-name", cfg.served_model_name]
             cmd += ["--kv-transfer-config", json.dumps(self._kv_config(inst)),
-                    *cfg.vllm_args, *rc.vllm_args]
+                    *memory[inst.name], *cfg.vllm_args, *rc.vllm_args]
             env = self._env(inst, p["side_channel_port"], binds[inst.name])
             started.append(inst.actor.start.remote(cmd, env, p["port"]))
         for inst, st in zip(self.instances, ray.get(started, timeout=60)):
@@ -319,11 +467,12 @@ class Deployment:
             inst.status = st
             if st["state"] == "failed":
                 tail = ray.get(inst.actor.log_tail.remote(), timeout=30)
-                raise LaunchError(f"{st['error']}; last lines of {st['log']} on "
+                raise LaunchError(f"{st['error']}\nlast lines of {st['log']} on "
                                   f"{st['host']}:\n{tail}")
-            if st["restarts"] > prev.get("restarts", 0):
-                self._say(f"{inst.name} exited (code {st['exits'][-1]}); restarted "
-                          f"({st['restarts']}/{self.cfg.max_restarts}) as pid {st['pid']}")
+            if st["spawns"] > prev.get("spawns", st["spawns"]):
+                self._say(f"{inst.name} exited (code {st['exits'][-1]}: "
+                          f"{st['causes'][-1]}); restarted ({st['restarts']}/"
+                          f"{self.cfg.max_restarts}) as pid {st['pid']}")
             if st["state"] != prev.get("state") and st["state"] == "healthy":
                 self._say(f"{inst.name} healthy at {st['url']}")
         return sts
@@ -357,17 +506,19 @@ class Deployment:
             self.poll()
             time.sleep(poll_s)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stop everything; remove the deployment's files (the KV storage
+        always, logs unless `failed` or a log_dir was given)."""
         if self._closed:
             return
         self._closed = True
+        self._failed = failed
         if self.router is not None:
             self.router.stop()
-        if not self._connected and not self.instances:
-            return
-        import ray
-
+        kept: list[str] = []
         if self.instances:
+            import ray
+
             self._say(f"stopping {len(self.instances)} instance(s)")
             refs = [i.actor.stop.remote() for i in self.instances]
             for inst, ref in zip(self.instances, refs):
@@ -376,7 +527,48 @@ class Deployment:
                 except Exception as e:  # the actor is gone: PDEATHSIG took the server
                     self._say(f"{inst.name}: stop failed ({type(e).__name__}); its "
                               "server dies with its actor", logging.WARNING)
+            remove = [self._kv_storage] if self._kv_storage else []
+            for inst in self.instances:  # one by one: the last removes the folder
+                try:
+                    log = ray.get(inst.actor.cleanup.remote(failed, remove), timeout=30)
+                    if log:
+                        kept.append(log)
+                except Exception:  # noqa: BLE001 - the actor is gone
+                    pass
                 ray.kill(inst.actor, no_restart=True)
         if self._connected:
+            import ray
+
             ray.shutdown()
+        if self._ray_dir is not None:
+            self._remove_ray_dir()
+        if kept:
+            self._say(f"logs kept: {', '.join(kept)}")
         self._say("stopped" + (" (local Ray cluster shut down)" if self._owns_ray else ""))
+
+    def _remove_ray_dir(self) -> None:
+        """The local Ray cluster's session folder, once its processes are
+        gone (the servers' logs hold the causes of a failure, not Ray's)."""
+        assert self._ray_dir is not None
+        folder = os.path.dirname(self._ray_dir)
+        for _ in range(20):  # raylet / GCS may still be writing as they exit
+            shutil.rmtree(self._ray_dir, ignore_errors=True)
+            if not os.path.exists(self._ray_dir):
+                break
+            time.sleep(0.5)
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
+
+
+def _signal_handlers() -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_signal_handlers(saved: dict[int, Any]) -> None:
+    for sig, handler in saved.items():
+        if handler is not None:
+            signal.signal(sig, handler)

@@ -20,7 +20,13 @@ Lifecycle guarantees:
   the thread that forked;
 - an unexpected exit is restarted on the same host and port (so the router's
   address stays valid) up to `max_restarts` times, then the instance is
-  `failed` and the deployment stops with the server's last log lines.
+  `failed` and the deployment stops with the server's last log lines; a
+  server that never became healthy and fails a second time with the same
+  error (a deterministic start failure: bad model, not enough memory) is not
+  restarted again;
+- logs go to one folder per deployment on each node: the `log_dir` given, or
+  `<temp dir>/vllm-patch-launch-<deployment id>`, which `cleanup()` removes
+  unless the deployment failed (no empty folder is left either way).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,6 +50,87 @@ from typing import Any
 from vllm_patch.launch.config import LaunchError, model_is_path
 
 PR_SET_PDEATHSIG = 1
+GiB = 1 << 30
+
+# A Python exception line in a server log, vLLM's prefixes allowed:
+# "ValueError: ...", "(VllmWorker-0 pid=12) ERROR 12-01 16:35:47
+# [multiproc_executor.py:953] ValueError: ...".
+_ERROR_LINE = re.compile(
+    r"^(?:\(\S+ pid=\d+\)\s+)?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\]\s+)?"
+    r"((?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exit)|Exception)(?::.*)?)$")
+# vLLM's wrapper errors that only say "see above".
+_GENERIC = ("Engine core initialization failed", "EngineDeadError",
+            "EngineCore encountered an issue", "initialization failed due to an "
+            "exception in a background process")
+
+
+def exit_cause(log_text: str, code: int | None) -> str:
+    """One line that says why a server exited: the first exception line of
+    its log (vLLM's engine core prints the root cause before the API
+    server's generic "Engine core initialization failed"), else the exit
+    code."""
+    found = [m.group(1).strip() for line in log_text.splitlines()
+             if (m := _ERROR_LINE.match(line.strip()))]
+    specific = [e for e in found if not any(g in e for g in _GENERIC)]
+    if specific or found:
+        return (specific or found)[0][:300]
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def same_cause(a: str, b: str) -> bool:
+    """Two exit causes are the same error when they differ only in numbers
+    (memory figures, pids, ports)."""
+    return re.sub(r"\d+(?:\.\d+)?", "#", a) == re.sub(r"\d+(?:\.\d+)?", "#", b)
+
+
+def node_memory(cpu: int) -> dict[str, int]:
+    """Total and available memory of the NUMA node of `cpu`, as vLLM's CPU
+    worker measures them (vllm.utils.cpu_resource_utils.get_memory_node_info:
+    the node's meminfo, free + file cache + reclaimable slab, clamped to the
+    cgroup's limit). Reimplemented here: importing vLLM into the supervisor
+    actor would load torch (10 s, 0.5 GB) for a few file reads."""
+    node = 0
+    try:
+        node = next(int(e[4:]) for e in os.listdir(f"/sys/devices/system/cpu/cpu{cpu}")
+                    if e.startswith("node") and e[4:].isdigit())
+    except (OSError, StopIteration):
+        pass
+    info: dict[str, int] = {}
+    try:
+        with open(f"/sys/devices/system/node/node{node}/meminfo") as f:
+            for line in f:  # "Node 0 MemTotal:  97421888 kB"
+                parts = line.split()
+                info[parts[2].rstrip(":")] = int(parts[3]) * 1024
+        total = info["MemTotal"]
+        available = (info["MemFree"] + info["Active(file)"] + info["Inactive(file)"]
+                     + info["SReclaimable"])
+    except (OSError, KeyError, IndexError, ValueError):
+        import psutil
+
+        vm = psutil.virtual_memory()
+        total, available = vm.total, vm.available
+
+    def read(path: str) -> int | None:
+        try:
+            text = Path(path).read_text().strip()
+            return None if not text or text == "max" else int(text)
+        except (OSError, ValueError):
+            return None
+
+    limit, usage = read("/sys/fs/cgroup/memory.max"), read("/sys/fs/cgroup/memory.current")
+    if limit is None:
+        limit = read("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+        limit = None if limit is None or limit >= 1 << 62 else limit
+        usage = read("/sys/fs/cgroup/memory/memory.usage_in_bytes") if limit else None
+    if limit is not None and limit < total:
+        total = limit
+        available = max(0, min(available, limit - (usage or 0)))
+    return {"node": node, "total": total, "available": available}
 
 
 def _die_with_parent() -> None:  # preexec_fn: runs in the child before exec
@@ -117,10 +206,16 @@ class InstanceSupervisor:
     directly (tests). All methods return plain data."""
 
     def __init__(self, name: str, max_restarts: int = 3, log_dir: str | None = None,
-                 health_timeout_s: float = 2.0) -> None:
+                 health_timeout_s: float = 2.0, deployment_id: str = "") -> None:
         self.name = name
         self.max_restarts = max_restarts
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="vllm-patch-launch-"))
+        # The deployment's folder on this node: the user's log_dir (kept), or
+        # a temp folder removed at the end unless the deployment failed.
+        self.tmp_dir = Path(tempfile.gettempdir()) / (
+            f"vllm-patch-launch-{deployment_id}" if deployment_id
+            else f"vllm-patch-launch-{os.getpid()}-{name}")
+        self.user_log_dir = log_dir is not None
+        self.log_dir = Path(log_dir).expanduser() if log_dir else self.tmp_dir
         self.health_timeout_s = health_timeout_s
         self.cmd: list[str] = []
         self.env: dict[str, str] = {}
@@ -130,6 +225,10 @@ class InstanceSupervisor:
         self.state = "new"
         self.restarts = 0
         self.exits: list[int] = []
+        self.causes: list[str] = []
+        self.spawns = 0
+        self.ever_healthy = False
+        self._log_offset = 0
         self.started_at = 0.0
         self.error = ""
         self._lock = threading.Lock()
@@ -148,9 +247,12 @@ class InstanceSupervisor:
             node_id = ray.get_runtime_context().get_node_id()
         except Exception:
             pass
+        cpus = sorted(os.sched_getaffinity(0))
         return {"ip": self.host, "node_id": node_id, "hostname": socket.gethostname(),
-                "cpus": sorted(os.sched_getaffinity(0)), "python": sys.executable,
-                "actor_pid": os.getpid()}
+                "cpus": cpus, "python": sys.executable, "actor_pid": os.getpid(),
+                "tmp_dir": str(self.tmp_dir), "log_dir": str(self.log_dir),
+                "memory": node_memory(cpus[0]),
+                "kvcache_env": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")}
 
     def prepare(self, model: str, port: int | None, env: dict[str, str]) -> dict[str, Any]:
         """Checks that need the node; returns the ports to use. Raises
@@ -166,10 +268,11 @@ class InstanceSupervisor:
                               "plugin out; its guarantees would not be enforced")
         if model_is_path(model) and not Path(model).expanduser().exists():
             raise LaunchError(f"{where}: model path {model} does not exist")
-        try:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise LaunchError(f"{where}: cannot create log dir {self.log_dir}: {e}") from None
+        for d in (self.tmp_dir, self.log_dir):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise LaunchError(f"{where}: cannot create folder {d}: {e}") from None
         if port is None:
             port = free_port(self.host)
         elif not port_free(self.host, port):
@@ -192,6 +295,7 @@ class InstanceSupervisor:
         if self._log_file is not None:
             self._log_file.close()
         self._log_file = open(self.log_dir / f"{self.name}.log", "ab")
+        self._log_offset = self._log_file.tell()
         self._log_file.write(f"\n===== start {time.strftime('%H:%M:%S')} "
                              f"(restart {self.restarts}) {' '.join(self.cmd)}\n".encode())
         self._log_file.flush()
@@ -199,6 +303,7 @@ class InstanceSupervisor:
             self.cmd, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         self.started_at = time.monotonic()
+        self.spawns += 1
         self._spawned.set()
 
     def _spawn_or_fail(self) -> bool:
@@ -227,18 +332,28 @@ class InstanceSupervisor:
                 self.exits.append(rc)
                 pgid = self.proc.pid
             kill_group(pgid, 5.0)  # engine core / workers left behind
+            cause = exit_cause(self._run_log(), rc)
             with self._lock:
                 if self._stopping:
                     return
+                self.causes.append(cause)
+                if (not self.ever_healthy and len(self.causes) >= 2
+                        and self.exits[-2] == rc and same_cause(self.causes[-2], cause)):
+                    self.state = "failed"
+                    self.error = (f"{self.name}: the server failed to start twice with "
+                                  f"the same error, not restarted again: {cause}")
+                    return
                 if self.restarts >= self.max_restarts:
                     self.state = "failed"
-                    self.error = (f"{self.name}: server exited with code {rc} and was "
-                                  f"restarted {self.restarts} time(s), the maximum "
-                                  f"(max_restarts={self.max_restarts})")
+                    self.error = (f"{self.name}: server exited with code {rc} ({cause}) "
+                                  f"and was restarted {self.restarts} time(s), the "
+                                  f"maximum (max_restarts={self.max_restarts})")
                     return
                 self.restarts += 1
                 self.state = "restarting"
-            time.sleep(min(2.0 * self.restarts, 10.0))
+            # a start failure is retried at once (it fails fast when it
+            # repeats); a server that was serving backs off
+            time.sleep(min(2.0 * self.restarts, 10.0) if self.ever_healthy else 0.5)
             deadline = time.monotonic() + 30
             while not port_free(self.host, self.port) and time.monotonic() < deadline:
                 time.sleep(0.5)
@@ -248,6 +363,15 @@ class InstanceSupervisor:
                 if not self._spawn_or_fail():
                     return
                 self.state = "starting"
+
+    def _run_log(self) -> str:
+        """The log of the current (last) run of the server."""
+        try:
+            with open(self.log_dir / f"{self.name}.log", "rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def healthy(self) -> bool:
         url = f"http://{self.host}:{self.port}/health"
@@ -265,12 +389,14 @@ class InstanceSupervisor:
                 and proc.poll() is None:
             state = "healthy" if self.healthy() else "starting"
             with self._lock:
-                if self.state in ("starting", "healthy"):
+                if self.state in ("starting", "healthy") and self.proc is proc:
                     self.state = state
+                    self.ever_healthy = self.ever_healthy or state == "healthy"
         return {"name": self.name, "state": state, "host": self.host, "port": self.port,
                 "url": f"http://{self.host}:{self.port}",
-                "pid": proc.pid if proc is not None else None,
-                "restarts": self.restarts, "exits": list(self.exits), "error": self.error,
+                "pid": proc.pid if proc is not None else None, "spawns": self.spawns,
+                "restarts": self.restarts, "exits": list(self.exits),
+                "causes": list(self.causes), "error": self.error,
                 "uptime_s": time.monotonic() - self.started_at if proc else 0.0,
                 "log": str(self.log_dir / f"{self.name}.log")}
 
@@ -294,3 +420,27 @@ class InstanceSupervisor:
             self._log_file.close()
         self.state = "stopped"
         return self.status(check_health=False)
+
+    def cleanup(self, keep_logs: bool, remove: list[str] = ()) -> str | None:
+        """After stop(): remove `remove` (paths inside this deployment's
+        folders only, e.g. the KV storage the launcher chose), this
+        instance's log unless it is kept, and the deployment's folders on
+        this node once empty (the last instance there removes them).
+        Returns the log's path if it is kept."""
+        mine = (self.tmp_dir, self.log_dir)
+        for path in remove:
+            p = Path(path)
+            if any(p.is_relative_to(d) and p != d for d in mine):
+                shutil.rmtree(p, ignore_errors=True)
+        log = self.log_dir / f"{self.name}.log"
+        keep = keep_logs or self.user_log_dir
+        if not keep:
+            log.unlink(missing_ok=True)
+        for d in {self.tmp_dir, self.log_dir}:
+            if d == self.log_dir and self.user_log_dir:
+                continue  # the user's folder: never removed
+            try:
+                d.rmdir()  # only when empty
+            except OSError:
+                pass
+        return str(log) if keep and log.exists() else None

@@ -1,0 +1,120 @@
+"""The launcher's decisions, without Ray or a model (unit tier): the memory
+split between the vLLM servers of one host, the user's own memory settings,
+reading a server's exit cause from its log, and fail-fast on a start failure
+that repeats (real subprocesses that fail at once, supervised by the real
+InstanceSupervisor)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from vllm_patch.launch.deployment import (
+    MEMORY_HEADROOM, VLLM_MEMORY_UTILIZATION, memory_utilization, own_memory_setting)
+from vllm_patch.launch.supervisor import InstanceSupervisor, exit_cause, same_cause
+
+pytestmark = pytest.mark.unit
+
+GiB = 1 << 30
+
+# The log of a real vLLM 0.32 CPU server that could not get its memory (the
+# root cause comes from a worker, then the engine core's and the API
+# server's generic wrappers).
+VLLM_LOG = """\
+(APIServer pid=26585) WARNING 12-01 16:32:07 [system_utils.py:255] Found ulimit of 20000 \
+and failed to automatically increase. This can cause fd limit errors like \
+`OSError: [Errno 24] Too many open files`.
+(VllmWorker-0 pid=27938) ERROR 12-01 16:35:47 [multiproc_executor.py:953] Traceback (most recent call last):
+(VllmWorker-0 pid=27938) ERROR 12-01 16:35:47 [multiproc_executor.py:953] ValueError: \
+Available memory on node 0 (10.06/15.34 GiB) on startup is less than desired CPU memory \
+utilization (0.92, 14.11 GiB).
+(EngineCore pid=27313) ERROR 12-01 16:35:54 [core.py:1510] Exception: WorkerProc \
+initialization failed due to an exception in a background process. See stack trace for root cause.
+Exception: WorkerProc initialization failed due to an exception in a background process. \
+See stack trace for root cause.
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_memory_split_between_the_servers_of_a_host():
+    total = 16 * GiB
+    # one server, memory free: vLLM's default fits, nothing is added
+    assert memory_utilization(total, 15 * GiB, 1) is None
+    # two servers, memory free: vLLM's 0.92 budget, capped at 90 % of the
+    # available memory, split in two
+    assert memory_utilization(total, 16 * GiB, 2) == 0.45
+    assert memory_utilization(total, 8 * GiB, 2) == 0.225
+    # the issue's host: 15.37 of 19.84 GiB available; vLLM's default (0.92,
+    # 18.25 GiB) fails for one server, let alone two
+    util = memory_utilization(int(19.84 * GiB), int(15.37 * GiB), 2)
+    assert util == pytest.approx(MEMORY_HEADROOM * 15.37 / 19.84 / 2, abs=1e-3)
+    # the second server starts after the first has taken its share and
+    # still finds its own (vLLM checks share <= available at start-up)
+    share, available = util * 19.84, 15.37
+    assert share <= available - share
+    # one server on a busy host: capped too (vLLM's default would not fit)
+    assert memory_utilization(total, 10 * GiB, 1) == pytest.approx(0.9 * 10 / 16, abs=1e-3)
+    assert VLLM_MEMORY_UTILIZATION == 0.92
+
+
+def test_a_users_memory_setting_is_kept():
+    assert own_memory_setting(["--max-model-len", "512"], {}) is None
+    assert own_memory_setting(["--kv-cache-memory-bytes", "1G"], {}) == \
+        "--kv-cache-memory-bytes"
+    assert own_memory_setting(["--gpu-memory-utilization=0.3"], {}) == \
+        "--gpu-memory-utilization"
+    assert own_memory_setting(["--device-memory-utilization", "0.3"], {}) == \
+        "--device-memory-utilization"
+    assert own_memory_setting([], {"VLLM_CPU_KVCACHE_SPACE": "2"}) == \
+        "VLLM_CPU_KVCACHE_SPACE"
+    assert own_memory_setting([], {"VLLM_CPU_KVCACHE_SPACE": ""}) is None
+
+
+def test_exit_cause_is_the_root_cause():
+    cause = exit_cause(VLLM_LOG, 1)
+    assert cause.startswith("ValueError: Available memory on node 0 (10.06/15.34 GiB)")
+    assert exit_cause("RuntimeError: Engine core initialization failed. See root "
+                      "cause above.\n", 1).startswith("RuntimeError: Engine core")
+    assert exit_cause("some output\n", -9) == "killed by SIGKILL"
+    assert exit_cause("", 3) == "exit code 3"
+    # the same error with other figures is the same error
+    assert same_cause(cause, exit_cause(VLLM_LOG.replace("10.06", "9.87"), 1))
+    assert not same_cause(cause, "OSError: [Errno 98] Address already in use")
+
+
+def _supervise(tmp_path, code: str, max_restarts: int = 3) -> tuple[dict, float]:
+    sup = InstanceSupervisor("decode-0", max_restarts=max_restarts,
+                             log_dir=str(tmp_path), deployment_id="unit")
+    sup.prepare("standin", None, {})
+    t0 = time.monotonic()
+    sup.start([sys.executable, "-c", code], {}, sup.port or 1)
+    try:
+        while sup.status(check_health=False)["state"] not in ("failed",) \
+                and time.monotonic() - t0 < 60:
+            time.sleep(0.1)
+        return sup.status(check_health=False), time.monotonic() - t0
+    finally:
+        sup.stop(grace_s=2)
+        sup.cleanup(keep_logs=False)
+
+
+def test_a_start_failure_that_repeats_is_not_restarted_again(tmp_path):
+    st, took = _supervise(tmp_path, "raise ValueError('no model at /nowhere')")
+    assert st["state"] == "failed" and st["spawns"] == 2, st
+    assert st["error"] == ("decode-0: the server failed to start twice with the same "
+                           "error, not restarted again: ValueError: no model at /nowhere")
+    assert took < 15, took
+
+
+def test_different_start_failures_use_the_restarts(tmp_path):
+    # each run fails differently (a counter in a file): restarted up to the maximum
+    counter = tmp_path / "n"
+    code = (f"import pathlib; p = pathlib.Path({str(counter)!r}); "
+            "n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1)); "
+            "raise SystemExit(10 + n)")
+    st, _ = _supervise(tmp_path, code, max_restarts=2)
+    assert st["state"] == "failed" and st["spawns"] == 3, st
+    assert st["exits"] == [10, 11, 12]
+    assert "restarted 2 time(s), the maximum (max_restarts=2)" in st["error"]
