@@ -1,5 +1,13 @@
-"""`vllm-patch status` and `vllm-patch verify`, run as a user runs them
-(subprocesses of the installed console script)."""
+"""`vllm-patch status` and `vllm-patch verify`.
+
+`status` runs as a user runs it (the installed console script, a fresh
+process per configuration). `verify` runs in this process (its argument
+parsing, report and exit codes) and starts its real child processes, stock
+and patched, as it does for a user; the console script itself is covered by
+the status tests. Every child imports vLLM, so these are the unit tier's
+slowest tests: each verify test runs once per vLLM version, in the patched
+run of the suite (verify sets VLLM_PATCH_DISABLE for its children itself, so
+the stock run of the suite would repeat the very same runs)."""
 
 from __future__ import annotations
 
@@ -54,13 +62,22 @@ def _check_status(env: dict[str, str] | None, series: str) -> None:
             assert row["status"] != "patched"
 
 
-def test_status_installed_vllm():
+def test_status_installed_vllm():  # also the stock run: status reads disabled
     import vllm
 
     _check_status(None, patching.version_series(vllm.__version__))
 
 
+def _installed_series() -> str:
+    import vllm
+
+    return patching.version_series(vllm.__version__)
+
+
 @pytest.mark.skipif(not VLLM_033.is_dir(), reason=f"{VLLM_033} not unpacked")
+@pytest.mark.skipif(_installed_series() == "0.33",
+                    reason="vLLM 0.33 is the installed vLLM of this run: "
+                           "test_status_installed_vllm covers it")
 def test_status_vllm_033():
     _check_status({"PYTHONPATH": str(VLLM_033)}, "0.33")
 
@@ -71,23 +88,44 @@ def test_status_disabled():
     assert all(row["status"] != "patched" for row in data["guarantees"])
 
 
-def test_status_bad_boolean_fails_clearly():
-    res = cli("status", env={"VLLM_PATCH_DISABLE": "maybe"})
-    assert res.returncode != 0
-    assert "VLLM_PATCH_DISABLE='maybe' is not a boolean" in res.stderr
+def test_status_bad_boolean_fails_clearly(monkeypatch):
+    from vllm_patch import cli as cli_module
+
+    monkeypatch.setenv("VLLM_PATCH_DISABLE", "maybe")
+    with pytest.raises(ValueError, match="VLLM_PATCH_DISABLE='maybe' is not a boolean"):
+        cli_module.main(["status"])
 
 
 # -- verify ---------------------------------------------------------------------
 
-def verify(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    path = os.pathsep.join(p for p in (str(FIXTURES), os.environ.get("PYTHONPATH"))
-                           if p)
-    # The parent's own VLLM_PATCH_DISABLE must not matter: verify sets it per run.
-    return cli("verify", "--module", "fake_scenarios", *args,
-               env={"PYTHONPATH": path}, timeout=timeout)
+once_per_version = pytest.mark.skipif(
+    envs.settings().disable,
+    reason="verify sets VLLM_PATCH_DISABLE for its own children: the patched "
+           "run of the suite runs these")
 
 
-def test_verify_pass_table_and_progress():
+def run_verify(*args: str, capfd, monkeypatch) -> subprocess.CompletedProcess:
+    """`vllm-patch verify ARGS` in this process (its children are real)."""
+    from vllm_patch import cli as cli_module
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p))
+    capfd.readouterr()
+    code = cli_module.main(["verify", *args])
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["vllm-patch", "verify", *args], code, out, err)
+
+
+@pytest.fixture
+def verify(capfd, monkeypatch):
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return run_verify("--module", "fake_scenarios", *args, capfd=capfd,
+                          monkeypatch=monkeypatch)
+    return run
+
+
+@once_per_version
+def test_verify_pass_table_and_progress(verify):
     res = verify("-k", "fake_holds", "-k", "fake_fixed_by_patch", "-k", "fake_control",
                  "-k", "fake_future_only")
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
@@ -107,7 +145,8 @@ def test_verify_pass_table_and_progress():
                    for line in res.stderr.splitlines())
 
 
-def test_verify_json_and_guarantee_filter():
+@once_per_version
+def test_verify_json_and_guarantee_filter(verify):
     res = verify("--json", "--guarantee", "G2")
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(res.stdout)
@@ -120,7 +159,8 @@ def test_verify_json_and_guarantee_filter():
     assert data["runs"]["patched"]["report"]["mode"] == "patched"
 
 
-def test_verify_violated_when_patched_fails():
+@once_per_version
+def test_verify_violated_when_patched_fails(verify):
     res = verify("-k", "fake_violated_patched", "-k", "fake_holds")
     assert res.returncode == 1, res.stdout + res.stderr[-3000:]
     assert "G3: FAIL" in res.stdout
@@ -128,7 +168,8 @@ def test_verify_violated_when_patched_fails():
     assert "FAIL: violated when patched: fake_violated_patched" in res.stdout
 
 
-def test_verify_exception_is_a_violation():
+@once_per_version
+def test_verify_exception_is_a_violation(verify):
     res = verify("--json", "-k", "fake_raises", "-k", "fake_wrong_type")
     assert res.returncode == 1, res.stderr[-3000:]
     rows = {r["name"]: r for r in json.loads(res.stdout)["scenarios"]}
@@ -137,26 +178,31 @@ def test_verify_exception_is_a_violation():
     assert rows["fake_wrong_type"]["patched"] is False
 
 
-def test_verify_child_crash():
+@once_per_version
+def test_verify_child_crash(verify):
     res = verify("-k", "fake_kills_process")
     assert res.returncode == 3, res.stdout + res.stderr[-3000:]
     assert "run FAILED: exit status 7, no report" in res.stdout
     assert "G4: ERROR" in res.stdout
 
 
-def test_verify_child_timeout():
+@once_per_version
+def test_verify_child_timeout(verify):
     res = verify("-k", "fake_hangs", "--timeout", "25")
     assert res.returncode == 3, res.stdout + res.stderr[-3000:]
     assert "timed out after 25s" in res.stdout
 
 
-def test_verify_missing_scenario_module():
-    res = cli("verify", "--module", "no_such_scenarios_module")
+@once_per_version
+def test_verify_missing_scenario_module(capfd, monkeypatch):
+    res = run_verify("--module", "no_such_scenarios_module", capfd=capfd,
+                     monkeypatch=monkeypatch)
     assert res.returncode == 3, res.stdout + res.stderr[-3000:]
     assert "no_such_scenarios_module: ModuleNotFoundError" in res.stdout
 
 
-def test_verify_zero_scenarios_is_not_green():
+@once_per_version
+def test_verify_zero_scenarios_is_not_green(verify):
     res = verify("-k", "fake_future_only")  # exists, but not for this series
     assert res.returncode == 4, res.stdout + res.stderr[-3000:]
     assert "NO SCENARIOS RAN" in res.stdout
