@@ -8,6 +8,8 @@ it starts its server, and reported with the node's address.
     model: /models/tiny            # a path must exist on every node
     address: auto                  # Ray cluster; omitted: start a local one
     connector: NixlConnector
+    kv_connector_extra_config: {kv_lease_duration: 300}   # ExampleConnector's
+                                   # shared_storage_path: default in the deployment's temp folder
     vllm_args: [--max-model-len, "512"]      # both roles; passed to vLLM as is
     prefill: {count: 1, node_resource: prefill_node, port: 8100}   # or node_labels: {...}
     decode:  {count: 2, node_resource: decode_node, vllm_args: [--speculative-config, '{...}']}
@@ -82,7 +84,9 @@ class LaunchConfig(_Strict):
     start_timeout_s: float = Field(600.0, gt=0)
     # The server each instance supervises; "{python}" is the node's Python.
     server_command: list[str] = Field(default_factory=lambda: list(DEFAULT_SERVER_COMMAND))
-    log_dir: str | None = None  # on each node; default: a temp dir there
+    # Server logs on each node, always kept; None: the deployment's temp
+    # folder there, removed at the end unless the deployment failed.
+    log_dir: str | None = None
 
     @field_validator("vllm_args", "server_command", mode="before")
     @classmethod

@@ -73,7 +73,8 @@ def exit_cause(log_text: str, code: int | None) -> str:
              if (m := _ERROR_LINE.match(line.strip()))]
     specific = [e for e in found if not any(g in e for g in _GENERIC)]
     if specific or found:
-        return (specific or found)[0][:300]
+        line = (specific or found)[0]
+        return line if len(line) <= 240 else line[:240].rsplit(" ", 1)[0] + " ..."
     if code is not None and code < 0:
         try:
             return f"killed by {signal.Signals(-code).name}"
@@ -432,6 +433,14 @@ class InstanceSupervisor:
             p = Path(path)
             if any(p.is_relative_to(d) and p != d for d in mine):
                 shutil.rmtree(p, ignore_errors=True)
+        # vLLM's IPC sockets (VLLM_RPC_BASE_PATH points here), which a
+        # server that failed leaves behind
+        try:
+            for entry in self.tmp_dir.iterdir():
+                if entry.is_socket():
+                    entry.unlink(missing_ok=True)
+        except OSError:
+            pass
         log = self.log_dir / f"{self.name}.log"
         keep = keep_logs or self.user_log_dir
         if not keep:
