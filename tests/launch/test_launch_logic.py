@@ -78,6 +78,9 @@ def test_exit_cause_is_the_root_cause():
     assert exit_cause("RuntimeError: Engine core initialization failed. See root "
                       "cause above.\n", 1).startswith("RuntimeError: Engine core")
     assert exit_cause("some output\n", -9) == "killed by SIGKILL"
+    # a warning that quotes an exception is not an exit cause
+    assert exit_cause("(APIServer pid=1) WARNING 12-01 16:32:07 [x.py:1] "
+                      "ValueError: ignored\n", -9) == "killed by SIGKILL"
     assert exit_cause("", 3) == "exit code 3"
     # the same error with other figures is the same error
     assert same_cause(cause, exit_cause(VLLM_LOG.replace("10.06", "9.87"), 1))

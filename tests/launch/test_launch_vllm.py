@@ -90,4 +90,4 @@ def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg, patched):
         assert len(pids) >= 4  # two api servers + their engine cores
     assert gone(pids, 60) == []
     text = "\n".join(lines)
-    assert "decode-0 exited (code -9); restarted (1/1)" in text, text
+    assert "decode-0 exited (code -9: killed by SIGKILL); restarted (1/1) as pid" in text, text

@@ -56,7 +56,7 @@ GiB = 1 << 30
 # "ValueError: ...", "(VllmWorker-0 pid=12) ERROR 12-01 16:35:47
 # [multiproc_executor.py:953] ValueError: ...".
 _ERROR_LINE = re.compile(
-    r"^(?:\(\S+ pid=\d+\)\s+)?(?:[A-Z]+ \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\]\s+)?"
+    r"^(?:\(\S+ pid=\d+\)\s+)?(?:(?:ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\]\s+)?"
     r"((?:[A-Za-z_][\w.]*\.)?(?:[A-Z]\w*(?:Error|Exit)|Exception)(?::.*)?)$")
 # vLLM's wrapper errors that only say "see above".
 _GENERIC = ("Engine core initialization failed", "EngineDeadError",
