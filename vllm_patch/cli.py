@@ -25,6 +25,7 @@ def _status(args: argparse.Namespace) -> int:
         "disabled": settings.disable,
         "strict": settings.strict,
         "strict_runtime": settings.strict_runtime,
+        "model_runner": patching.selected_runner(),
         "guarantees": rows,
         "other_patches": others,
         "module_errors": {m: err for m, (_, err)
@@ -36,6 +37,9 @@ def _status(args: argparse.Namespace) -> int:
         return 0
     print(f"vllm_patch {report['vllm_patch']} on vLLM {report['vllm']}"
           + ("  [VLLM_PATCH_DISABLE=1]" if settings.disable else ""))
+    chosen = report["model_runner"]
+    print(f"model runner: {chosen['runner'] or 'V1 or V2'} "
+          f"(decided by {chosen['decided_by']})")
     print(f"{'id':<4} {'status':<13} guarantee")
     for row in rows:
         print(f"{row['guarantee']:<4} {row['status']:<13} {row['text']}")
@@ -45,6 +49,14 @@ def _status(args: argparse.Namespace) -> int:
             print(f"{'':<18}implementation: {row['implementation']}")
         for limit in row.get("limits", ()):
             print(f"{'':<18}limit: {limit}")
+        for runner, r in row.get("runners", {}).items():
+            print(f"{'':<18}{runner} runner: {r['status']}"
+                  + (f" ({r['reason']})" if r["reason"]
+                     and r["reason"] != row["reason"] else ""))
+            if r["native"]:
+                print(f"{'':<20}native: {r['native']}")
+            for limit in r["limits"]:
+                print(f"{'':<20}limit: {limit}")
         for p in row["patches"]:
             _print_patch(p, args.verbose)
     for p in others:

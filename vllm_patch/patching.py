@@ -738,6 +738,7 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
             "limits": list(KNOWN_LIMITS.get(gid, ())) if status != "not enforced" else [],
             "patches": [patch_row(o) for o in outcomes],
         })
+        rows[-1]["runners"] = runner_rows(rows[-1])
     return rows
 
 
@@ -749,3 +750,143 @@ def patch_row(o: Outcome) -> dict[str, Any]:
         row["objects"] = sum(1 for r in REGISTRY.instances.get(o.patch.name, ())
                              if r() is not None)
     return row
+
+
+# --------------------------------------------------------------------------
+# Per model runner. vLLM has two worker-side model runners: V1
+# (vllm/v1/worker/gpu_model_runner.py; the CPU build's default) and Model
+# Runner V2 (vllm/v1/worker/gpu/; CUDA's default on 0.33 when Triton is
+# present). Scheduler-side patches hold for both; a patch whose target lives
+# in one runner's files holds for that runner only.
+# --------------------------------------------------------------------------
+
+RUNNERS = ("V1", "V2")
+_V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+_V2_RUNNER_PACKAGE = "vllm.v1.worker.gpu."
+
+# What a guarantee does not cover on one runner even when its patches for
+# that runner are applied (added to KNOWN_LIMITS, which holds for both).
+RUNNER_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
+    "V1": {
+        "G1": ("vLLM 0.33 does not run this runner with pipeline parallelism "
+               "+ async scheduling (it picks Model Runner V2 or refuses)",),
+    },
+    "V2": {
+        "G3": ("Model Runner V2 keeps drafting after a grammar's end unless "
+               "its own draft-skip patches are applied (listed above)",),
+    },
+}
+
+
+def patch_runners(patch: Patch) -> tuple[str, ...]:
+    """The model runners a patch's guarantee work holds for."""
+    module = patch.target.split(":", 1)[0]
+    if module == _V1_RUNNER_MODULE:
+        return ("V1",)
+    if module.startswith(_V2_RUNNER_PACKAGE):
+        return ("V2",)
+    return RUNNERS
+
+
+def _v2_source(module: str, needle: str) -> bool:
+    """Whether the installed vLLM's `module` source contains `needle`
+    (read as text: importing V2 modules pulls in Triton kernels)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    origin = getattr(spec, "origin", None) if spec else None
+    if not origin:
+        return False
+    try:
+        with open(origin, encoding="utf-8") as f:
+            return needle in f.read()
+    except OSError:
+        return False
+
+
+def v2_native_checks() -> dict[str, str]:
+    """Per guarantee, what Model Runner V2 on this vLLM does natively ('' if
+    nothing)."""
+    native = {}
+    if _v2_source("vllm.v1.worker.gpu.structured_outputs",
+                  "def grammar_invalid_drafts"):
+        native["G3"] = ("Model Runner V2 rejects every draft past the "
+                        "scheduler's num_acceptable_drafts itself "
+                        "(grammar_invalid_drafts)")
+    return native
+
+
+def runner_rows(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """For one guarantee_table row: its status on each model runner.
+
+    A runner-specific patch counts only for its runner; the row's own
+    failures (a required patch not applied, a switch turned off) hold for
+    both. V2's native num_acceptable_drafts check replaces V1's worker-side
+    acceptance patch."""
+    gid = row["guarantee"]
+    native = v2_native_checks().get(gid, "") if row["patches"] else ""
+    out: dict[str, dict[str, Any]] = {}
+    for runner in RUNNERS:
+        mine = [p for p in row["patches"] if p["name"] in REGISTRY.patches
+                and runner in patch_runners(REGISTRY.patches[p["name"]])]
+        applied = [p["name"] for p in mine
+                   if p["state"] == State.APPLIED.value]
+        status = row["status"]
+        detail = row["reason"]
+        if runner == "V2" and native and status in ("patched", "partial"):
+            # Missing V1-only patches do not concern V2.
+            v1_only = {p["name"] for p in row["patches"]
+                       if p["name"] in REGISTRY.patches
+                       and patch_runners(REGISTRY.patches[p["name"]]) == ("V1",)}
+            rest = [part for part in detail.split("; ") if part
+                    and part.split(":", 1)[0] not in v1_only]
+            status = "partial" if rest else "patched"
+            detail = "; ".join(rest)
+        out[runner] = {
+            "status": status,
+            "reason": detail,
+            "patches_applied": applied,
+            "native": native if runner == "V2" else "",
+            "limits": (list(RUNNER_LIMITS[runner].get(gid, ()))
+                       if status != "not enforced" else []),
+        }
+    return out
+
+
+def selected_runner(vllm_config: Any = None) -> dict[str, Any]:
+    """Which model runner vLLM uses: from `vllm_config` when given
+    (VllmConfig.use_v2_model_runner), else what decides it here."""
+    import os
+
+    env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if vllm_config is not None:
+        try:
+            v2 = bool(vllm_config.use_v2_model_runner)
+        except Exception as exc:  # noqa: BLE001 - report, do not fail status
+            return {"runner": None, "decided_by": f"the configuration: {_error_text(exc)}"}
+        return {"runner": "V2" if v2 else "V1",
+                "decided_by": "this configuration (VllmConfig.use_v2_model_runner)"}
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except Exception:  # noqa: BLE001
+        HAS_TRITON = False
+    if env is not None and env.strip().lower() in ("1", "true", "0", "false"):
+        v2 = env.strip().lower() in ("1", "true")
+        note = ""
+        if v2 and not HAS_TRITON:
+            note = " (vLLM refuses to start: Model Runner V2 requires Triton)"
+        return {"runner": "V2" if v2 else "V1",
+                "decided_by": f"VLLM_USE_V2_MODEL_RUNNER={env}" + note}
+    if not HAS_TRITON:
+        return {"runner": "V1",
+                "decided_by": "no usable Triton in this vLLM build and "
+                              "VLLM_USE_V2_MODEL_RUNNER unset"}
+    return {"runner": None,
+            "decided_by": "Triton is usable and VLLM_USE_V2_MODEL_RUNNER is "
+                          "unset: vLLM picks Model Runner V2 unless the "
+                          "model / speculative / parallel configuration has "
+                          "a feature V2 does not support, then V1 "
+                          "(VllmConfig.use_v2_model_runner)"}
