@@ -78,6 +78,13 @@ def test_exit_cause_is_the_root_cause():
     assert exit_cause("RuntimeError: Engine core initialization failed. See root "
                       "cause above.\n", 1).startswith("RuntimeError: Engine core")
     assert exit_cause("some output\n", -9) == "killed by SIGKILL"
+    # pydantic's summary line gets the error that follows it
+    assert exit_cause("pydantic_core._pydantic_core.ValidationError: 1 validation error "
+                      "for ModelConfig\n  Value error, User-specified max_model_len "
+                      "(100000) is greater than the derived max_model_len\n", 1) == (
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for "
+        "ModelConfig: Value error, User-specified max_model_len (100000) is greater "
+        "than the derived max_model_len")
     # a warning that quotes an exception is not an exit cause
     assert exit_cause("(APIServer pid=1) WARNING 12-01 16:32:07 [x.py:1] "
                       "ValueError: ignored\n", -9) == "killed by SIGKILL"

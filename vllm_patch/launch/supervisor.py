@@ -69,8 +69,17 @@ def exit_cause(log_text: str, code: int | None) -> str:
     its log (vLLM's engine core prints the root cause before the API
     server's generic "Engine core initialization failed"), else the exit
     code."""
-    found = [m.group(1).strip() for line in log_text.splitlines()
-             if (m := _ERROR_LINE.match(line.strip()))]
+    lines = log_text.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        m = _ERROR_LINE.match(line.strip())
+        if not m:
+            continue
+        text = m.group(1).strip()
+        if re.search(r"\d+ validation errors? for \w+$", text) and i + 1 < len(lines):
+            # pydantic: the error itself is on the next (indented) line
+            text += ": " + lines[i + 1].strip()
+        found.append(text)
     specific = [e for e in found if not any(g in e for g in _GENERIC)]
     if specific or found:
         line = (specific or found)[0]
