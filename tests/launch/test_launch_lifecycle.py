@@ -28,7 +28,10 @@ STANDIN = ["{python}", "-m", "vllm_patch.testing.standin_server"]
 
 
 def config(**kw) -> LaunchConfig:
+    # the stand-in needs no memory: its own setting keeps the launcher's
+    # memory split (and its refusal on a busy host) out of these tests
     base = dict(model="standin", server_command=STANDIN,
+                env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                 prefill={"node_resource": "prefill_node"},
                 decode={"node_resource": "decode_node"},
                 router={"port": 0}, start_timeout_s=60)
@@ -265,6 +268,7 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
     the deployment's temp folder (logs, vLLM's sockets) is gone."""
     cfg = tmp_path / "pd.yaml"
     cfg.write_text(f"model: standin\nserver_command: {json.dumps(STANDIN)}\n"
+                   "env: {VLLM_CPU_KVCACHE_SPACE: '1'}\n"
                    "prefill: {node_resource: prefill_node}\n"
                    "decode: {node_resource: decode_node}\n")
     ready = tmp_path / "ready.json"
@@ -309,7 +313,8 @@ def test_cli_start_failure_fails_fast(ray_cluster):
     r = subprocess.run(
         [str(exe), "launch", "--model", "standin", "--address", ray_cluster.address,
          "--port", "0", "--connector", "ExampleConnector", "--server-command",
-         "{python} -c \"raise ValueError('model /m is not a model')\""],
+         "{python} -c \"raise ValueError('model /m is not a model')\"",
+         "--", "--kv-cache-memory-bytes", "1"],
         capture_output=True, text=True, timeout=120)
     took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr

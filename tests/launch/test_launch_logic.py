@@ -11,8 +11,10 @@ import time
 
 import pytest
 
+from vllm_patch.launch.config import LaunchConfig, LaunchError
 from vllm_patch.launch.deployment import (
-    MEMORY_HEADROOM, VLLM_MEMORY_UTILIZATION, memory_utilization, own_memory_setting)
+    MEMORY_HEADROOM, VLLM_MEMORY_UTILIZATION, Deployment, Instance, memory_utilization,
+    own_memory_setting)
 from vllm_patch.launch.supervisor import InstanceSupervisor, exit_cause, same_cause
 
 pytestmark = pytest.mark.unit
@@ -128,3 +130,33 @@ def test_different_start_failures_use_the_restarts(tmp_path):
     assert st["state"] == "failed" and st["spawns"] == 3, st
     assert st["exits"] == [10, 11, 12]
     assert "restarted 2 time(s), the maximum (max_restarts=2)" in st["error"]
+
+
+def _deployment(available_gib: float, hosts: tuple[str, str] = ("h1", "h1"),
+                **cfg) -> Deployment:
+    """A deployment's memory decision for a prefill and a decode server
+    placed on `hosts` (no Ray: the placement's answers filled in)."""
+    dep = Deployment(LaunchConfig(model="m", **cfg))
+    dep._gpu_nodes = set()
+    mem = {"node": 0, "total": 16 * GiB, "available": int(available_gib * GiB)}
+    dep.instances = [Instance(role, 0, None, info={
+        "ip": host, "node_id": host, "memory": mem, "kvcache_env": ""})
+        for role, host in zip(("prefill", "decode"), hosts)]
+    return dep
+
+
+def test_memory_flags_given_to_the_servers():
+    gpu = ["--gpu-memory-utilization", "0.45"]
+    assert _deployment(16)._memory_args() == {"prefill-0": gpu, "decode-0": gpu}
+    # one server per host with its memory free: vLLM's default, untouched
+    assert _deployment(16, ("h1", "h2"))._memory_args() == {
+        "prefill-0": [], "decode-0": []}
+    # a user's setting is kept, for one role or for all
+    own = _deployment(16, decode={"vllm_args": "--kv-cache-memory-bytes 1G"})
+    assert own._memory_args() == {"prefill-0": gpu, "decode-0": []}
+    assert _deployment(16, env={"VLLM_CPU_KVCACHE_SPACE": "2"})._memory_args() == {
+        "prefill-0": [], "decode-0": []}
+    # too little for two servers: refused before anything starts, flag named
+    with pytest.raises(LaunchError, match=r"2 vLLM server\(s\) on h1 would get 1\.3 GiB "
+                       r"of memory each .* --kv-cache-memory-bytes"):
+        _deployment(3)._memory_args()
