@@ -120,12 +120,38 @@ class _Outcomes:
         self.fh = open(path, "a", buffering=1)  # noqa: SIM115 - session-long
         self.pending: dict[str, str] = {}
 
+        self.crash: dict[str, dict] = {}
+
     def write(self, nodeid: str, outcome: str) -> None:
         import json
 
-        self.fh.write(json.dumps({"nodeid": nodeid, "outcome": outcome}) + "\n")
+        row = {"nodeid": nodeid, "outcome": outcome, **self.crash.pop(nodeid, {})}
+        self.fh.write(json.dumps(row) + "\n")
+
+    def _note_crash(self, report) -> None:
+        # Where the failure was raised, and whether any frame of its
+        # traceback is inside vllm_patch (a crash in our code, as opposed to
+        # a test's assertion about behaviour a guarantee changes).
+        if report.nodeid in self.crash:
+            return
+        crash = getattr(report.longrepr, "reprcrash", None)
+        text = str(report.longrepr)
+        source = ""
+        entries = getattr(getattr(report.longrepr, "reprtraceback", None),
+                          "reprentries", None) or []
+        for entry in entries[-1:]:
+            marked = [ln for ln in getattr(entry, "lines", []) if ln.startswith(">")]
+            source = marked[-1][1:].strip() if marked else ""
+        self.crash[report.nodeid] = {
+            "source": source,
+            "crash": (f"{crash.path}:{crash.lineno}: {crash.message}"[:400]
+                      if crash is not None else text[-400:]),
+            "in_vllm_patch": f"{os.sep}vllm_patch{os.sep}" in text,
+        }
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self._note_crash(report)
         outcome = self.pending.get(report.nodeid, "passed")
         if report.failed:
             if report.when == "call":

@@ -357,14 +357,26 @@ def standin_hub() -> Path:
 
 # ------------------------------------------------------------------ runs
 
-def _outcomes(path: Path) -> dict[str, str]:
+def _rows(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
-    out: dict[str, str] = {}
+    out: dict[str, dict] = {}
     for line in path.read_text().splitlines():
-        row = json.loads(line)
-        out[row["nodeid"]] = row["outcome"]
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line still being written
+            continue
+        out[row["nodeid"]] = row
     return out
+
+
+def _outcomes(path: Path) -> dict[str, str]:
+    return {k: r["outcome"] for k, r in _rows(path).items()}
+
+
+def crashes(out_dir: Path, mode: str) -> dict[str, dict]:
+    """nodeid -> {"crash": where/what, "in_vllm_patch": bool} of failures."""
+    return {k: r for k, r in _rows(out_dir / f"{mode}.jsonl").items() if "crash" in r}
 
 
 def run_env(mode: str, vllm_tree: Path | None, hf_home: Path,
@@ -380,6 +392,8 @@ def run_env(mode: str, vllm_tree: Path | None, hf_home: Path,
         paths.append(str(vllm_tree))
         env["VLLM_TARGET_DEVICE"] = "cpu"
     paths.append(pkg_root)
+    if env.get("PYTHONPATH"):  # e.g. a vLLM tree the caller runs against
+        paths.append(env["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1",
@@ -407,14 +421,26 @@ def installed_version(vllm_tree: Path | None) -> str:
     return re.sub(r"\+.*$", "", version)
 
 
+_PROCS: list[subprocess.Popen] = []
+
+
+def _stop_children(signum, frame) -> None:  # noqa: ARG001
+    """SIGTERM (e.g. from `timeout`): stop the pytest runs we started too."""
+    for proc in _PROCS:
+        if proc.poll() is None:
+            proc.kill()
+    os._exit(128 + signum)
+
+
 def run_pytest(root: Path, paths: list[str], mode: str, out_dir: Path,
                env: dict[str, str], pytest_args: list[str], timeout: float,
-               label: str) -> tuple[dict[str, str], float]:
+               label: str, fast: bool = True) -> tuple[dict[str, str], float]:
     out_dir.mkdir(parents=True, exist_ok=True)
     report = out_dir / f"{mode}.jsonl"
     log = out_dir / f"{mode}.log"
     report.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-p", "vllm_patch.testing.pytest_plugin",
+           *(["-p", "vllm_patch.testing.suite_speedups"] if fast else []),
            "-p", "no:cacheprovider", "--continue-on-collection-errors",
            "-o", "asyncio_default_fixture_loop_scope=function",
            f"--junitxml={out_dir / f'{mode}.xml'}",
@@ -425,6 +451,7 @@ def run_pytest(root: Path, paths: list[str], mode: str, out_dir: Path,
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=fh,
                                 stderr=subprocess.STDOUT)
+        _PROCS.append(proc)
         last = start
         while proc.poll() is None:
             time.sleep(2)
@@ -501,16 +528,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds per test (pytest-timeout)")
     ap.add_argument("--json", type=Path, default=None,
                     help="write figures and differences to this file")
+    ap.add_argument("--prepare", action="store_true",
+                    help="only fetch the sdist, unpack its tests, install the "
+                         "test-only packages and write the model stand-ins")
     ap.add_argument("--parallel", action="store_true",
                     help="run the stock and patched sessions at the same time")
+    ap.add_argument("--global-cleanup", action="store_true",
+                    help="keep vLLM's per-test global cleanup (2-5 s a test on "
+                         "the CPU; by default every test is marked "
+                         "skip_global_cleanup, vLLM's own marker)")
     ap.add_argument("-k", dest="keyword", default=None)
     ap.add_argument("--deselect", action="append", default=[])
     args = ap.parse_args(argv)
+    import signal
+
+    signal.signal(signal.SIGTERM, _stop_children)
 
     version = args.version or installed_version(args.vllm_tree)
     say(f"vLLM {version}" + (f" from {args.vllm_tree}" if args.vllm_tree else " (installed)"))
     root = unpack_tests(version)
     hf_home = standin_hub()
+    suite_deps()
+    if args.prepare:
+        say(f"ready: tests {root}, model stand-ins {hf_home}")
+        return 0
     out_dir = args.out or CACHE / "suite-runs" / f"vllm-{version}"
     pytest_args = [f"--timeout={args.test_timeout}"]
     if args.keyword:
@@ -527,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         env = run_env(mode, args.vllm_tree, hf_home)
         results[mode], times[mode] = run_pytest(
             root, args.paths, mode, out_dir, env, extra_args, args.timeout,
-            f"vLLM {version}")
+            f"vLLM {version}", fast=not args.global_cleanup)
         say(f"vLLM {version} {mode}: {len(results[mode])} tests in "
             f"{times[mode]:.0f} s: {summary(results[mode])}")
 
@@ -560,18 +601,28 @@ def main(argv: list[str] | None = None) -> int:
         "fixed": "fail stock, pass patched",
         "other": "other differences",
     }
+    patched_crash = crashes(out_dir, "patched")
     for key, title in titles.items():
         print(f"-- {title}: {len(diff[key])}")
         for nodeid, s, p, reason in diff[key]:
             print(f"   {nodeid}  stock={s} patched={p}" + (f"  ({reason})" if reason else ""))
+            c = patched_crash.get(nodeid)
+            if c and p in ("failed", "error"):
+                print(f"      {'RAISED INSIDE vllm_patch: ' if c['in_vllm_patch'] else ''}"
+                      f"{c['crash'].splitlines()[0] if c['crash'] else ''}")
+    inside = sorted(k for k, c in patched_crash.items() if c["in_vllm_patch"])
+    print(f"-- patched failures with a vllm_patch frame in the traceback: {len(inside)}")
+    for nodeid in inside:
+        print(f"   {nodeid}  stock={results['stock'].get(nodeid)}: "
+              f"{patched_crash[nodeid]['crash'].splitlines()[0]}")
     print(f"junit XML and logs: {out_dir}")
     if args.json:
         args.json.write_text(json.dumps({
             "vllm": version, "times": times,
             "summary": {m: summary(r) for m, r in results.items()},
             "counts": {m: len(r) for m, r in results.items()},
-            "differences": diff}, indent=1))
-    return 1 if diff["regressions"] else 0
+            "differences": diff, "raised_in_vllm_patch": inside}, indent=1))
+    return 1 if diff["regressions"] or inside else 0
 
 
 if __name__ == "__main__":
