@@ -32,6 +32,7 @@ PATCH_MODULES: dict[str, tuple[str, ...]] = {
     "vllm_patch.v1.structured_output.g2_accept_once": ("G2",),
     "vllm_patch.v1.structured_output.g3_rows": ("G3",),
     "vllm_patch.v1.worker.gpu_model_runner": ("G3",),
+    "vllm_patch.v1.worker.gpu.model_runner": ("G3",),
     "vllm_patch.distributed.kv_transfer.kv_connector.v1.base": ("G4",),
 }
 

@@ -28,6 +28,7 @@ _E = "vllm.v1.engine.core:EngineCore."
 _M = "vllm.v1.structured_output:StructuredOutputManager."
 _SO = "vllm.v1.structured_output."
 _R = "vllm.v1.worker.gpu_model_runner:GPUModelRunner."
+_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner."
 _RS = "vllm.v1.sample.rejection_sampler:"
 
 
@@ -77,6 +78,11 @@ DIGESTS: dict[str, dict[str, str]] = {
     _RS + "RejectionSampler.forward": {"0.32": "c82e51bdd5a8dc3c",
                                        "0.33": "5f03339ca632e518"},
     _RS + "rejection_sample": {"0.32": "dd7297cb744d9a77", "0.33": "10358c381d84f8fd"},
+    # Model Runner V2 (vllm/v1/worker/gpu/model_runner.py).
+    _V2 + "sample_tokens": {"0.32": "de7f3c7b008b9c17", "0.33": "82f16d6b90bdc243"},
+    _V2 + "sample": _both("78982d0f9f603fcc"),
+    _V2 + "add_requests": _both("8321187d017efc99"),
+    _V2 + "take_draft_token_ids": _both("92d8ad07fc62c092"),
 }
 
 

@@ -130,7 +130,14 @@ def source_digest(obj: Any) -> str | None:
     import hashlib
 
     func = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
-    code = getattr(func, "__code__", None)
+    # Keyed by the innermost function's code: decorators such as
+    # torch.inference_mode share one wrapper code object between all the
+    # functions they wrap (getsource follows __wrapped__ the same way).
+    try:
+        inner = inspect.unwrap(func)
+    except ValueError:
+        inner = func
+    code = getattr(inner, "__code__", None)
     if code is not None and code in _DIGESTS:
         return _DIGESTS[code]
     try:
@@ -764,6 +771,8 @@ RUNNERS = ("V1", "V2")
 _V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 _V2_RUNNER_PACKAGE = "vllm.v1.worker.gpu."
 
+_V2_KEEPS_DRAFTING = ("Model Runner V2 keeps drafting after a grammar's end "
+                      "(its draft-skip patches are not all applied)")
 # What a guarantee does not cover on one runner even when its patches for
 # that runner are applied (added to KNOWN_LIMITS, which holds for both).
 RUNNER_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -772,8 +781,7 @@ RUNNER_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
                "+ async scheduling (it picks Model Runner V2 or refuses)",),
     },
     "V2": {
-        "G3": ("Model Runner V2 keeps drafting after a grammar's end unless "
-               "its own draft-skip patches are applied (listed above)",),
+        "G3": (_V2_KEEPS_DRAFTING,),
     },
 }
 
@@ -845,13 +853,17 @@ def runner_rows(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
                     and part.split(":", 1)[0] not in v1_only]
             status = "partial" if rest else "patched"
             detail = "; ".join(rest)
+        limits = list(RUNNER_LIMITS[runner].get(gid, ()))
+        own = [p for p in mine if patch_runners(REGISTRY.patches[p["name"]]) == (runner,)]
+        if (runner == "V2" and own
+                and all(p["state"] == State.APPLIED.value for p in own)):
+            limits = [t for t in limits if t != _V2_KEEPS_DRAFTING]
         out[runner] = {
             "status": status,
             "reason": detail,
             "patches_applied": applied,
             "native": native if runner == "V2" else "",
-            "limits": (list(RUNNER_LIMITS[runner].get(gid, ()))
-                       if status != "not enforced" else []),
+            "limits": limits if status != "not enforced" else [],
         }
     return out
 

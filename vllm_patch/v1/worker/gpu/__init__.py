@@ -1,0 +1,1 @@
+"""Patches for vllm.v1.worker.gpu (Model Runner V2; see the modules)."""

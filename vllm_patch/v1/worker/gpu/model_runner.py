@@ -1,0 +1,330 @@
+"""G3 for vllm.v1.worker.gpu.model_runner (Model Runner V2): no drafts for
+requests whose grammar ends.
+
+V2 already rejects drafts past the scheduler's `num_acceptable_drafts`
+(`grammar_invalid_drafts`), so G3's acceptance guarantee holds there with
+the scheduler-side rows alone. What V2 still does after a grammar's end: its
+speculator proposes drafts (k forward passes of EAGLE / draft_model) for
+requests that end in this step or ended in the previous one under async
+scheduling, and hands them to the scheduler (`take_draft_token_ids`).
+
+Same prediction as the V1 runner's draft skip
+(`vllm_patch.v1.spec_decode.grammar_end`): a request ends when a grammar
+stop token is sampled from a grammar-filled bitmask row (patched G2 then
+finishes it), or it ended before (a structured request the scheduler left out
+of this step's grammar output: it finished while the step was in flight).
+
+Where (V2's `sample_tokens`, pinned: sample(), postprocess_sampled, then
+`self.speculator.propose(input_batch, ...)` in one call): `sample` keeps the
+step's sampled tokens, and for the duration of `sample_tokens` the
+speculator's `propose` goes through the decision (an instance attribute on
+the speculator, removed after the step; its class is untouched). When every
+request of the batch ends, the speculator is not run for this step:
+`propose` answers "no drafts" (-1, as V2 writes for positions it does not
+draft), which V2 stores and hands over; the scheduler schedules none for
+finished requests. When only some end, the speculator runs as in stock and
+those requests hand the scheduler no drafts. Counters as on V1
+(`vllm_patch.v1.worker.gpu_model_runner.draft_skip_stats` reads both).
+Pipeline parallel and data parallel: the speculator is never skipped
+(other ranks run it in step); drafts are still withheld.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm_patch.audited import pin
+from vllm_patch.patching import Patch
+from vllm_patch.v1.worker.gpu_model_runner import (STATS_ATTR,
+                                                   _g2_finishes_at_grammar_end,
+                                                   _stats)
+
+logger = logging.getLogger(__name__)
+
+_GRAMMAR_ATTR = "_vllm_patch_v2_grammar_output"
+_STEP_ATTR = "_vllm_patch_v2_step"
+_ENDED_ATTR = "_vllm_patch_v2_ended"     # req_id -> step its grammar ended
+_DROP_ATTR = "_vllm_patch_v2_drop"       # req_ids: hand over no drafts
+_SAMPLED_ATTR = "_vllm_patch_v2_sampled"  # (input batch, tokens, counts)
+_STOPS_ATTR = "_vllm_patch_v2_stops"     # req_id -> (structured, stop set)
+
+__all__ = ["STATS_ATTR", "ending_requests"]
+
+
+def _ctx(runner: Any) -> dict:
+    return runner.__dict__
+
+
+def _make_add_requests(original: Any) -> Any:
+    def add_requests(self: Any, scheduler_output: Any) -> Any:
+        from vllm_patch.v1.spec_decode import grammar_end
+
+        stops = _ctx(self).setdefault(_STOPS_ATTR, {})
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            params = getattr(new, "sampling_params", None)
+            stops[new.req_id] = (
+                getattr(params, "structured_outputs", None) is not None,
+                grammar_end.stop_set(params))
+        for req_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+            stops.pop(req_id, None)
+        return original(self, scheduler_output)
+
+    return add_requests
+
+
+def _make_sample_tokens(original: Any) -> Any:
+    def sample_tokens(self: Any, grammar_output: Any) -> Any:
+        d = _ctx(self)
+        d[_STEP_ATTR] = d.get(_STEP_ATTR, 0) + 1
+        d[_GRAMMAR_ATTR] = grammar_output
+        d[_DROP_ATTR] = frozenset()
+        d.pop(_SAMPLED_ATTR, None)
+        speculator = getattr(self, "speculator", None)
+        own = getattr(speculator, "__dict__", None)
+        if own is not None:
+            # For this step only: the speculator's own propose, through the
+            # decision below (an instance attribute shadows the class method;
+            # isinstance checks in sample_tokens still see the real class).
+            own["propose"] = _propose_for(self, speculator)
+        try:
+            return original(self, grammar_output)
+        finally:
+            d[_GRAMMAR_ATTR] = None
+            d.pop(_SAMPLED_ATTR, None)
+            if own is not None:
+                own.pop("propose", None)
+
+    return sample_tokens
+
+
+def _propose_for(runner: Any, speculator: Any) -> Any:
+    real = type(speculator).propose.__get__(speculator)
+
+    def propose(input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        d = _ctx(runner)
+        sampled = d.get(_SAMPLED_ATTR)
+        if sampled is None or sampled[0] is not input_batch:
+            return real(input_batch, *args, **kwargs)
+        stats = _stats(runner)
+        stats["proposer_calls"] += 1
+        before, ending, all_end = ending_requests(
+            runner, input_batch, d.get(_GRAMMAR_ATTR), sampled[1], sampled[2])
+        d[_DROP_ATTR] = frozenset(before | ending)
+        if all_end and _skippable(runner):
+            stats["skipped_calls"] += 1
+            stats["skipped_request_drafts"] += len(before) + len(ending)
+            return _no_drafts(runner, input_batch)
+        stats["dropped_request_drafts"] += len(before) + len(ending)
+        return real(input_batch, *args, **kwargs)
+
+    return propose
+
+
+def _live_ended(runner: Any, batch: list[str], depth: int) -> set[str]:
+    ended: dict[str, int] = _ctx(runner).setdefault(_ENDED_ATTR, {})
+    step = _ctx(runner).get(_STEP_ATTR, 0)
+    live: set[str] = set()
+    for req_id in list(ended):
+        age = step - ended[req_id]
+        if age > depth:
+            if req_id in batch:
+                _stats(runner)["mispredicted"] += 1
+            del ended[req_id]
+        elif req_id in batch and age > 0:
+            live.add(req_id)
+    return live
+
+
+def ending_requests(runner: Any, input_batch: Any, grammar_output: Any,
+                    sampled_tokens: Any, num_sampled: Any,
+                    ) -> tuple[set[str], set[str], bool]:
+    """(ended before this step, ending in it, every request of the batch is
+    in one of the two), for V2's InputBatch and sampler output (the
+    V1 counterpart: vllm_patch.v1.worker.gpu_model_runner.ending_requests)."""
+    from vllm_patch.v1.spec_decode import grammar_end
+
+    batch = list(input_batch.req_ids)
+    if not batch or not getattr(input_batch, "has_structured_output_reqs", True):
+        return set(), set(), False
+    depth = 1 if getattr(runner, "use_async_scheduling", False) else 0
+    ended = _live_ended(runner, batch, depth)
+    stops: dict = _ctx(runner).get(_STOPS_ATTR, {})
+    in_grammar = set(grammar_output.structured_output_request_ids
+                     if grammar_output is not None else ())
+    n_sampled = [int(n) for n in (num_sampled.tolist()
+                                  if hasattr(num_sampled, "tolist") else num_sampled)]
+    for i, req_id in enumerate(batch):
+        structured = stops.get(req_id, (False, frozenset()))[0]
+        if structured and req_id not in in_grammar and n_sampled[i] > 0:
+            ended.add(req_id)
+    if len(ended) == len(batch):
+        return ended, set(), True
+    if grammar_output is None or not _g2_finishes_at_grammar_end():
+        return ended, set(), False
+    per_req = getattr(input_batch, "num_draft_tokens_per_req", None)
+    drafts = {req_id: [0] * (int(per_req[i]) if per_req is not None else 0)
+              for i, req_id in enumerate(batch)}
+    rows = grammar_end.request_rows(
+        grammar_output.structured_output_request_ids,
+        grammar_output.grammar_bitmask, drafts,
+        int(getattr(runner, "num_speculative_steps", 0) or 0))
+    so_config = getattr(getattr(runner, "vllm_config", None),
+                        "structured_outputs_config", None)
+    stop_only = bool(getattr(so_config, "reasoning_parser", "") or "")
+    candidates: dict[int, tuple[str, frozenset[int]]] = {}
+    for i, req_id in enumerate(batch):
+        if req_id in ended:
+            continue
+        req_stops = stops.get(req_id, (False, frozenset()))[1]
+        if (req_id not in rows or n_sampled[i] == 0
+                or not grammar_end.may_end(rows[req_id], req_stops, stop_only)):
+            return ended, set(), False  # this one goes on
+        candidates[i] = (req_id, req_stops)
+    _stats(runner)["token_reads"] += 1
+    sampled = sampled_tokens.tolist() if hasattr(sampled_tokens, "tolist") \
+        else [list(r) for r in sampled_tokens]
+    ending = {req_id for i, (req_id, req_stops) in candidates.items()
+              if grammar_end.ends_at(rows[req_id], sampled[i][:n_sampled[i]],
+                                     req_stops, stop_only) is not None}
+    step = _ctx(runner).get(_STEP_ATTR, 0)
+    for req_id in ending:
+        _ctx(runner).setdefault(_ENDED_ATTR, {})[req_id] = step
+    return ended, ending, len(ended) + len(ending) == len(batch)
+
+
+def _no_drafts(runner: Any, input_batch: Any) -> Any:
+    """"No drafts" for every request of the batch: -1, what V2 itself writes
+    for draft positions it does not propose (sample_tokens)."""
+    import torch
+
+    k = int(getattr(runner, "num_speculative_steps", 0) or 0)
+    return torch.full((input_batch.num_reqs, k), -1, dtype=torch.int64,
+                      device=getattr(runner, "device", None))
+
+
+def _skippable(runner: Any) -> bool:
+    pc = getattr(runner, "parallel_config", None)
+    return (getattr(pc, "pipeline_parallel_size", 1) == 1
+            and getattr(pc, "data_parallel_size", 1) == 1)
+
+
+def _make_sample(original: Any) -> Any:
+    """Keeps this step's input batch and sampled tokens for the speculator's
+    propose (sample_tokens calls sample(), postprocess_sampled, then
+    propose with the same input batch)."""
+    def sample(self: Any, hidden_states: Any, input_batch: Any,
+               grammar_output: Any) -> Any:
+        out = original(self, hidden_states, input_batch, grammar_output)
+        sampler_output, num_sampled = out[0], out[1]
+        self.__dict__[_SAMPLED_ATTR] = (
+            input_batch, sampler_output.sampled_token_ids, num_sampled)
+        return out
+
+    return sample
+
+
+def _make_take_draft_token_ids(original: Any) -> Any:
+    def take_draft_token_ids(self: Any) -> Any:
+        out = original(self)
+        drop = self.__dict__.get(_DROP_ATTR)
+        if out is not None and drop:
+            out.draft_token_ids = [
+                [] if req_id in drop else list(ids)
+                for req_id, ids in zip(out.req_ids, out.draft_token_ids)]
+        return out
+
+    return take_draft_token_ids
+
+
+_V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner."
+_PIN_SAMPLE_TOKENS = pin(
+    _V2 + "sample_tokens",
+    "last PP rank: sample() with this step's input batch, then "
+    "postprocess_sampled(idx_mapping, sampled_token_ids, num_sampled, ...), "
+    "then self.speculator.propose(input_batch, ...) whose return is stored "
+    "in req_states.draft_tokens and handed to DraftTokensHandler")
+_WHY = ("Model Runner V2's speculator proposes drafts (EAGLE / draft_model: k "
+        "forward passes) for requests whose grammar ends in this step or "
+        "ended in the previous one under async scheduling, and hands them to "
+        "the scheduler: G2 finishes those requests, the drafts are never used")
+_REMOVE = "vLLM skips drafting for requests finishing in the step"
+# Optional: without them G3's acceptance guarantee still holds on V2 (V2's
+# grammar_invalid_drafts + the scheduler-side rows); only the draft skip and
+# withholding are lost.
+_WITHOUT = ("on Model Runner V2 the speculator keeps drafting after a "
+            "grammar's end; those drafts are still rejected")
+_UPSTREAM = "SGLang PR #24082 (no drafts for finished grammars); vLLM has none"
+
+PATCHES: list[Patch] = [
+    Patch(
+        name="g3-v2-grammar-end-stop-tokens",
+        guarantee="G3",
+        target=_V2 + "add_requests",
+        versions=("0.32", "0.33"),
+        signature=("self", "scheduler_output"),
+        make=_make_add_requests,
+        why=_WHY + " (V2 keeps no sampling parameters: the stop tokens a "
+             "grammar ends on are recorded here)",
+        how="records each new request's structured flag and grammar stop "
+            "tokens (grammar_end.stop_set) before the stock method",
+        upstream=_UPSTREAM, remove_when=_REMOVE, required=False, without=_WITHOUT,
+        pins=(pin(_V2 + "add_requests",
+                  "new requests arrive as scheduler_output.scheduled_new_reqs "
+                  "with their sampling_params"),),
+    ),
+    Patch(
+        name="g3-v2-step-context",
+        guarantee="G3",
+        target=_V2 + "sample_tokens",
+        versions=("0.32", "0.33"),
+        signature=("self", "grammar_output"),
+        make=_make_sample_tokens,
+        why=_WHY + " (the decision needs this step's grammar output)",
+        how="counts steps, keeps grammar_output for the step and routes the "
+            "speculator's propose through the draft-skip decision for this "
+            "step only",
+        upstream=_UPSTREAM, remove_when=_REMOVE, required=False, without=_WITHOUT, pins=(_PIN_SAMPLE_TOKENS,),
+    ),
+    Patch(
+        name="g3-v2-no-drafts-after-grammar-end",
+        guarantee="G3",
+        target=_V2 + "sample",
+        versions=("0.32", "0.33"),
+        signature=("self", "hidden_states", "input_batch", "grammar_output"),
+        make=_make_sample,
+        why=_WHY,
+        how=("keeps the step's sampled tokens; at the speculator's propose "
+             "(same step): which requests end (grammar_end, as on the V1 "
+             "runner); all: the speculator is not run this step (propose "
+             "answers -1, V2's 'no draft'); some: their drafts are withheld "
+             "at hand-over. Never skipped under pipeline or data parallelism. "
+             "Needs g3-v2-step-context and G2's commit cut"),
+        upstream=_UPSTREAM, remove_when=_REMOVE, required=False, without=_WITHOUT,
+        pins=(_PIN_SAMPLE_TOKENS,
+              pin(_V2 + "sample",
+                  "returns (sampler_output, num_sampled, num_rejected); "
+                  "sampler_output.sampled_token_ids is [num_reqs, k + 1]"),
+              pin("vllm.v1.structured_output:StructuredOutputManager"
+                  ".grammar_bitmask",
+                  "bitmask row layout read by grammar_end.request_rows")),
+    ),
+    Patch(
+        name="g3-v2-no-drafts-handed-over-after-grammar-end",
+        guarantee="G3",
+        target=_V2 + "take_draft_token_ids",
+        versions=("0.32", "0.33"),
+        signature=("self",),
+        make=_make_take_draft_token_ids,
+        why=("Model Runner V2 hands the scheduler drafts of requests whose "
+             "grammar ended (in a batch where others go on)"),
+        how=("requests found ended in the last step get an empty draft list; "
+             "the scheduler then schedules none for them"),
+        upstream=_UPSTREAM, remove_when=_REMOVE, required=False, without=_WITHOUT,
+        pins=(pin(_V2 + "take_draft_token_ids",
+                  "returns DraftTokensHandler's DraftTokenIds (req_ids, one "
+                  "draft list per request)"),
+              pin("vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
+                  "an empty draft list leaves the request without spec tokens"),),
+    ),
+]
