@@ -44,10 +44,10 @@ def test_memory_split_between_the_servers_of_a_host():
     total = 16 * GiB
     # one server, memory free: vLLM's default fits, nothing is added
     assert memory_utilization(total, 15 * GiB, 1) is None
-    # two servers, memory free: vLLM's 0.92 budget, capped at 90 % of the
+    # two servers, memory free: vLLM's 0.92 budget, capped at 70 % of the
     # available memory, split in two
-    assert memory_utilization(total, 16 * GiB, 2) == 0.45
-    assert memory_utilization(total, 8 * GiB, 2) == 0.225
+    assert memory_utilization(total, 16 * GiB, 2) == 0.35
+    assert memory_utilization(total, 8 * GiB, 2) == 0.175
     # the host: 15.37 of 19.84 GiB available; vLLM's default (0.92,
     # 18.25 GiB) fails for one server, let alone two
     util = memory_utilization(int(19.84 * GiB), int(15.37 * GiB), 2)
@@ -57,7 +57,7 @@ def test_memory_split_between_the_servers_of_a_host():
     share, available = util * 19.84, 15.37
     assert share <= available - share
     # one server on a busy host: capped too (vLLM's default would not fit)
-    assert memory_utilization(total, 10 * GiB, 1) == pytest.approx(0.9 * 10 / 16, abs=1e-3)
+    assert memory_utilization(total, 10 * GiB, 1) == pytest.approx(0.7 * 10 / 16, abs=1e-3)
     assert VLLM_MEMORY_UTILIZATION == 0.92
 
 
@@ -146,7 +146,7 @@ def _deployment(available_gib: float, hosts: tuple[str, str] = ("h1", "h1"),
 
 
 def test_memory_flags_given_to_the_servers():
-    gpu = ["--gpu-memory-utilization", "0.45"]
+    gpu = ["--gpu-memory-utilization", "0.35"]
     assert _deployment(16)._memory_args() == {"prefill-0": gpu, "decode-0": gpu}
     # one server per host with its memory free: vLLM's default, untouched
     assert _deployment(16, ("h1", "h2"))._memory_args() == {
@@ -157,6 +157,6 @@ def test_memory_flags_given_to_the_servers():
     assert _deployment(16, env={"VLLM_CPU_KVCACHE_SPACE": "2"})._memory_args() == {
         "prefill-0": [], "decode-0": []}
     # too little for two servers: refused before anything starts, flag named
-    with pytest.raises(LaunchError, match=r"2 vLLM server\(s\) on h1 would get 1\.3 GiB "
+    with pytest.raises(LaunchError, match=r"2 vLLM server\(s\) on h1 would get 1\.0 GiB "
                        r"of memory each .* --kv-cache-memory-bytes"):
         _deployment(3)._memory_args()

@@ -14,7 +14,7 @@ the command runs in the background) tears everything down.
 
 Memory: on the CPU, vLLM reserves --gpu-memory-utilization (default 0.92) of
 the host's memory for each server. Servers that share a host get a share
-each (two servers on a host with its memory free: about 0.41 each); a
+each (two servers on a host with its memory free: 0.35 each); a
 server given --gpu-memory-utilization, --kv-cache-memory-bytes or
 VLLM_CPU_KVCACHE_SPACE keeps the user's setting.
 

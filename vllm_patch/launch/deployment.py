@@ -35,6 +35,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -49,9 +50,13 @@ PLACE_TIMEOUT_S = 120.0
 # vLLM's default --gpu-memory-utilization (CacheConfig.gpu_memory_utilization),
 # on the CPU the fraction of the NUMA node's memory one server reserves.
 VLLM_MEMORY_UTILIZATION = 0.92
-# Of the memory available when the launcher looks, the part it hands out
-# (the rest absorbs what other processes allocate while the servers start).
-MEMORY_HEADROOM = 0.9
+# Of the memory available when the launcher looks, the part it hands out.
+# The rest absorbs what the servers use beyond their share and what other
+# processes allocate meanwhile; Ray's memory monitor kills the supervisor
+# actors (and with them the servers) once the node passes 95 % of its memory
+# (RAY_memory_usage_threshold): at 0.9 two tiny-model servers on a shared
+# 24 GiB host were killed so.
+MEMORY_HEADROOM = 0.7
 # Below this per server, the launcher refuses to start (a vLLM CPU server's
 # own process takes 1-2 GiB before weights and KV cache).
 MIN_SERVER_MEMORY = 2 << 30
@@ -96,7 +101,7 @@ def cpu_bind_ranges(cpus: list[int], n: int) -> list[str] | None:
 def memory_utilization(total: int, available: int, n: int) -> float | None:
     """The --gpu-memory-utilization for each of `n` vLLM servers that share
     a NUMA node with `total` bytes, `available` free: vLLM's default budget
-    (0.92 x total), capped at 90 % of what is available, split evenly.
+    (0.92 x total), capped at 70 % of what is available, split evenly.
     None when vLLM's default already fits (one server, enough available).
 
     vLLM's CPU worker reserves utilization x total and checks it against the
@@ -104,7 +109,7 @@ def memory_utilization(total: int, available: int, n: int) -> float | None:
     is less than desired CPU memory utilization"; 0.32 and 0.33: again
     before allocating the KV cache), so a server that starts after another
     has allocated its share still finds its own: with the cap, the n-th
-    sees at least available x (1 - 0.9 (n-1)/n) >= its 0.9 x available / n."""
+    sees at least available x (1 - 0.7 (n-1)/n) > its 0.7 x available / n."""
     if n == 1 and VLLM_MEMORY_UTILIZATION * total <= available:
         return None
     budget = min(VLLM_MEMORY_UTILIZATION * total, MEMORY_HEADROOM * available)
@@ -459,7 +464,13 @@ class Deployment:
 
         try:
             sts = ray.get([i.actor.status.remote() for i in self.instances], timeout=60)
-        except ray.exceptions.RayActorError as e:
+        except ray.exceptions.OutOfMemoryError as e:
+            raise LaunchError(
+                "Ray's memory monitor killed the supervisor actors, and their servers "
+                f"with them: {str(e).splitlines()[0]} (give the servers less memory: "
+                "--gpu-memory-utilization or --kv-cache-memory-bytes after `--`)"
+            ) from None
+        except ray.exceptions.RayError as e:
             raise LaunchError("a supervisor actor died (its server was signalled to "
                               f"stop): {str(e).splitlines()[0]}") from None
         for inst, st in zip(self.instances, sts):
@@ -542,9 +553,28 @@ class Deployment:
             ray.shutdown()
         if self._ray_dir is not None:
             self._remove_ray_dir()
+        self._remove_local_folder()
         if kept:
             self._say(f"logs kept: {', '.join(kept)}")
         self._say("stopped" + (" (local Ray cluster shut down)" if self._owns_ray else ""))
+
+    def _remove_local_folder(self) -> None:
+        """This host's deployment folder, when supervisors that died could
+        not clean it: vLLM's sockets go, the folder too once empty (logs of
+        a failed deployment stay)."""
+        folder = os.path.join(tempfile.gettempdir(), f"vllm-patch-launch-{self.id}")
+        if not os.path.isdir(folder):
+            return
+        for entry in os.scandir(folder):
+            if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                try:
+                    os.unlink(entry.path)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
 
     def _remove_ray_dir(self) -> None:
         """The local Ray cluster's session folder, once its processes are

@@ -91,7 +91,7 @@ def _make_discover_numa_topology(original: Any) -> classmethod:
         kept = [node for node in kept if node]
         if not kept:  # none of the bound cores is listed: keep vLLM's answer
             return nodes
-        if kept != nodes:
+        if [max(n) for n in kept] != [max(n) for n in nodes]:
             logger.info(
                 "vllm_patch: NixlConnector's KV-transfer core(s) %s, within "
                 "VLLM_CPU_OMP_THREADS_BIND=%s (vLLM would pin every NIXL "
