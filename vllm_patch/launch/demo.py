@@ -114,6 +114,7 @@ def main(args: argparse.Namespace) -> int:
 
     from vllm_patch.launch import show_progress
     from vllm_patch.launch.command import handle_stop_signals
+    from vllm_patch.launch.deployment import remove_ray_folder
     from vllm_patch.testing import workload as wl
     from vllm_patch.testing import tiny_model
 
@@ -136,6 +137,7 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(run_mode(mode, model, workdir, requests, args.spec_k))
         finally:
             ray.shutdown()
+            remove_ray_folder(f"{workdir}/ray")
     print()
     print("P/D on Ray (prefill + decode, ExampleConnector), tiny model, draft_model "
           f"k={args.spec_k}, xgrammar, async scheduling (forced on the CPU: test-only switch)")

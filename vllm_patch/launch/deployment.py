@@ -581,15 +581,21 @@ class Deployment:
         gone (the servers' logs hold the causes of a failure, not Ray's)."""
         assert self._ray_dir is not None
         folder = os.path.dirname(self._ray_dir)
-        for _ in range(20):  # raylet / GCS may still be writing as they exit
-            shutil.rmtree(self._ray_dir, ignore_errors=True)
-            if not os.path.exists(self._ray_dir):
-                break
-            time.sleep(0.5)
+        remove_ray_folder(self._ray_dir)
         try:
             os.rmdir(folder)
         except OSError:
             pass
+
+
+def remove_ray_folder(path: str) -> None:
+    """A stopped local Ray cluster's temp folder (raylet and GCS may still
+    write their last lines as they exit)."""
+    for _ in range(20):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            return
+        time.sleep(0.5)
 
 
 def _signal_handlers() -> dict[int, Any]:
