@@ -444,7 +444,7 @@ def run_pytest(root: Path, paths: list[str], mode: str, out_dir: Path,
            "-p", "no:cacheprovider", "--continue-on-collection-errors",
            "-o", "asyncio_default_fixture_loop_scope=function",
            f"--junitxml={out_dir / f'{mode}.xml'}",
-           f"--vllm-patch-outcomes={report}", "-q", "-rN",
+           f"--vllm-patch-outcomes={report}", "-rN",
            *pytest_args, *paths]
     say(f"{label} {mode}: {' '.join(cmd[1:])} (log {log})")
     start = time.monotonic()

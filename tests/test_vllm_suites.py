@@ -1,0 +1,122 @@
+"""vLLM's own tests with the patches active: a budgeted slice of the vLLM
+release's own test suite (from its source distribution on the package index),
+run stock and patched through `pytest -p vllm_patch.testing.pytest_plugin`
+(`vllm_patch.testing.vllm_suites` does the fetching, the offline model
+stand-ins and the runs).
+
+The slice is the part of vLLM's suites that runs the code the guarantees
+patch: the scheduler's spec-decoding, stop and structured-output tests, the
+structured-output manager's draft/bitmask flow, and the ExampleConnector
+(P/D) scheduler tests. It asserts that the tests that pass stock and fail
+patched are exactly the documented ones (docs/vllm-test-suites.md), each
+failing on the test's own assertion of the stock behaviour a guarantee
+changes (never with an exception raised inside vllm_patch), and that no
+test of the slice fails in one mode only otherwise.
+
+It runs both modes itself, so it runs in the patched session only (the stock
+session skips it: it would run the same two subprocesses again). It skips
+only when the release's sdist cannot be fetched from the package index.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import urllib.error
+
+import pytest
+
+from vllm_patch.patching import version_series, vllm_version
+from vllm_patch.testing import vllm_suites
+
+pytestmark = pytest.mark.scheduler
+
+# (node id or file, optional -k) of vLLM's own tests, the same on both
+# releases. A node id without parameters selects every parameter set.
+SLICE = (
+    "tests/v1/structured_output/test_structured_output_manager.py::test_regex_flow",
+    "tests/v1/core/test_scheduler.py::test_stop_via_update_from_output",
+    "tests/v1/core/test_scheduler.py::test_check_stop_min_tokens",
+    "tests/v1/core/test_scheduler.py::test_schedule_spec_decoding_stats",
+    "tests/v1/core/test_scheduler.py::test_spec_decoding_stats_empty_output",
+    "tests/v1/core/test_scheduler.py::test_grammar_compile_error_finishes_only_request",
+    "tests/v1/core/test_scheduler.py::test_abort_request_when_structured_output_fsm_cannot_advance",
+    "tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py",
+)
+
+# Pass stock, fail patched in the slice, per vLLM series: each asserts stock
+# behaviour a guarantee changes (docs/vllm-test-suites.md) and must fail on
+# the assertion named here.
+EXPECTED = {
+    "0.32": {
+        **{f"tests/v1/structured_output/test_structured_output_manager.py"
+           f"::test_regex_flow[{case}-{backend}]":
+           "assert _row_pattern(bitmask) == expected_row_pattern"
+           for case in ("terminates", "early_eos")
+           for backend in ("xgrammar", "guidance", "outlines")},
+    },
+}
+EXPECTED["0.33"] = dict(EXPECTED["0.32"])
+
+
+def _fetch(version: str):
+    try:
+        return vllm_suites.unpack_tests(version)
+    except (OSError, urllib.error.URLError, RuntimeError) as exc:
+        pytest.skip(f"vLLM {version}'s source distribution (its own tests) "
+                    f"cannot be fetched from the package index: {exc}")
+
+
+def test_vllm_own_tests_slice(patched, tmp_path):
+    if not patched:
+        pytest.skip("this test runs vLLM's tests stock and patched itself; "
+                    "it runs in the patched session only")
+    version = vllm_version().split("+")[0]
+    series = version_series(version)
+    root = _fetch(version)
+    try:
+        vllm_suites.suite_deps()
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"vLLM's test-only packages cannot be installed from the "
+                    f"package index: {exc}")
+    hf_home = vllm_suites.standin_hub()
+
+    results: dict[str, dict[str, str]] = {}
+
+    def run(mode: str) -> None:
+        args = ["--timeout=120"]
+        if mode == "patched":
+            args.append("--vllm-patch-invariants=raise")
+        env = vllm_suites.run_env(mode, None, hf_home)
+        results[mode], _ = vllm_suites.run_pytest(
+            root, list(SLICE), mode, tmp_path, env, args, timeout=420,
+            label=f"vLLM {version}")
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in ("stock", "patched")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    stock, patched_ = results["stock"], results["patched"]
+    # The plugin's session header says which vLLM ran and in which state.
+    assert "STOCK vLLM: G1-G4 are NOT enforced" in (tmp_path / "stock.log").read_text()
+    header = (tmp_path / "patched.log").read_text()
+    assert f"on vLLM {version}: G1 patched, G2 patched, G3 patched" in header
+    assert "invariant checker: on (raise)" in header
+    log = tmp_path / "patched.log"
+    assert stock and set(stock) == set(patched_), (
+        f"the slice did not run completely in both modes (see {log})")
+    assert sum(o == "passed" for o in stock.values()) >= len(stock) // 2, (
+        f"most of the slice should pass stock: {vllm_suites.summary(stock)}")
+    diff = vllm_suites.differences(stock, patched_)
+    crash = vllm_suites.crashes(tmp_path, "patched")
+    inside = {k: c["crash"] for k, c in crash.items() if c["in_vllm_patch"]}
+    assert inside == {}, "patched failures raised inside vllm_patch"
+    assert diff["regressions"] == [], (
+        "pass stock, fail patched, and not a documented stock-behaviour test")
+    expected = EXPECTED[series]
+    assert sorted(d[0] for d in diff["expected"]) == sorted(expected)
+    for nodeid, assertion in expected.items():
+        assert crash[nodeid]["source"] == assertion, (nodeid, crash[nodeid])
+    assert diff["fixed"] == [] and diff["other"] == []
