@@ -253,7 +253,7 @@ def run_config(cfg: dict, timeout: float) -> dict:
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith("VALIDATE-RESULT "):
             return json.loads(line[len("VALIDATE-RESULT "):])
-    return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"}
+    return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-4000:]}"}
 
 
 def row_text(cfg: dict, res: dict) -> str:

@@ -229,7 +229,7 @@ def test_v2_no_drafts_after_grammar_end(patched, cpu_streams):
         assert out.draft_token_ids == [[7] * K, [7] * K]
         return
     assert runner.speculator.calls == 0
-    assert out.draft_token_ids == [[], []]
+    assert out.draft_token_ids == [[], []]  # computed nowhere, handed over never
     stats = draft_skip_stats(runner)
     assert stats["skipped_calls"] == 1 and stats["skipped_request_drafts"] == 2
     # The shim is gone after the step: the speculator's own propose again.

@@ -20,9 +20,9 @@ step's sampled tokens, and for the duration of `sample_tokens` the
 speculator's `propose` goes through the decision (an instance attribute on
 the speculator, removed after the step; its class is untouched). When every
 request of the batch ends, the speculator is not run for this step:
-`propose` answers "no drafts" (-1, as V2 writes for positions it does not
-draft), which V2 stores and hands over; the scheduler schedules none for
-finished requests. When only some end, the speculator runs as in stock and
+`propose` answers zero drafts (as the V1 runner's "does not fit in the
+drafter" path), which V2 stores and does not hand over (withheld); the
+scheduler schedules none for finished requests. When only some end, the speculator runs as in stock and
 those requests hand the scheduler no drafts. Counters as on V1
 (`vllm_patch.v1.worker.gpu_model_runner.draft_skip_stats` reads both).
 Pipeline parallel and data parallel: the speculator is never skipped
@@ -194,13 +194,16 @@ def ending_requests(runner: Any, input_batch: Any, grammar_output: Any,
 
 
 def _no_drafts(runner: Any, input_batch: Any) -> Any:
-    """"No drafts" for every request of the batch: -1, what V2 itself writes
-    for draft positions it does not propose (sample_tokens)."""
+    """Drafts that are never used, for every request of the batch, without
+    running the draft model: zeros, as the V1 runner's own "does not fit in
+    the drafter" path. Not -1: under async scheduling V2 feeds its stored
+    drafts to the in-flight next step as input ids (the scheduler gave
+    those requests num_acceptable_drafts = 0, so they are rejected)."""
     import torch
 
     k = int(getattr(runner, "num_speculative_steps", 0) or 0)
-    return torch.full((input_batch.num_reqs, k), -1, dtype=torch.int64,
-                      device=getattr(runner, "device", None))
+    return torch.zeros((input_batch.num_reqs, k), dtype=torch.int64,
+                       device=getattr(runner, "device", None))
 
 
 def _skippable(runner: Any) -> bool:
@@ -297,7 +300,7 @@ PATCHES: list[Patch] = [
         how=("keeps the step's sampled tokens; at the speculator's propose "
              "(same step): which requests end (grammar_end, as on the V1 "
              "runner); all: the speculator is not run this step (propose "
-             "answers -1, V2's 'no draft'); some: their drafts are withheld "
+             "answers zero drafts, never handed over); some: their drafts are withheld "
              "at hand-over. Never skipped under pipeline or data parallelism. "
              "Needs g3-v2-step-context and G2's commit cut"),
         upstream=_UPSTREAM, remove_when=_REMOVE, required=False, without=_WITHOUT,
