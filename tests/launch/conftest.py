@@ -23,14 +23,19 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(tmp_path_factory):
     import ray
     from ray.cluster_utils import Cluster
 
+    # the cluster's session folder in pytest's temp dir, not /tmp/ray
+    temp = str(tmp_path_factory.mktemp("ray"))
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"prefill_node": 1}, labels={"pd-role": "prefill"})
-    cluster.add_node(num_cpus=1, resources={"decode_node": 1}, labels={"pd-role": "decode"})
+        "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False,
+        "temp_dir": temp})
+    cluster.add_node(num_cpus=1, resources={"prefill_node": 1}, labels={"pd-role": "prefill"},
+                     temp_dir=temp)
+    cluster.add_node(num_cpus=1, resources={"decode_node": 1}, labels={"pd-role": "decode"},
+                     temp_dir=temp)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
