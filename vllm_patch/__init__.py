@@ -35,6 +35,7 @@ PATCH_MODULES: dict[str, tuple[str, ...]] = {
     "vllm_patch.v1.worker.gpu.model_runner": ("G3",),
     "vllm_patch.distributed.kv_transfer.kv_connector.v1.base": ("G4",),
     "vllm_patch.utils.cpu_triton_utils": ("package",),
+    "vllm_patch.distributed.kv_transfer.kv_connector.v1.example_connector": ("package",),
 }
 
 logger = logging.getLogger("vllm_patch")
