@@ -138,3 +138,37 @@ def test_pd_kv_equals_local(pd):
     print(f"\nG4-PD-KV {pd.cfg.connector}: external hits {hits:.0f}, P/D == local: {a == b}")
     assert hits >= 2 * wl.BLOCK
     assert a == b
+
+
+# Last in the module: on stock ExampleConnector it kills the prefill server.
+@pytest.mark.timeout(300)
+def test_pd_one_token_prompt(pd, patched):
+    """A one-token prompt through the pair. Stock ExampleConnector reports
+    -block_size tokens to load for it once any prompt of at most one block
+    was saved, and the prefill server dies in the model runner
+    (IndexError); the `example-connector-short-prompt` fix reports 0.
+    NixlConnector serves it on stock too."""
+    import requests
+
+    tokens = requests.post(pd.server("prefill").url + "/tokenize",
+                           json={"model": "tiny", "prompt": "x"}, timeout=60).json()
+    assert tokens["count"] == 1, tokens  # the case under test
+    short = {"model": "tiny", "prompt": "a short prompt", "max_tokens": 2,
+             "temperature": 0}
+    assert requests.post(pd.url + "/v1/completions", json=short,
+                         timeout=120).status_code == 200
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "structured_outputs": {"regex": "[a-z]{1,6}"}}
+    resp = requests.post(pd.url + "/v1/completions", json=body, timeout=120)
+    prefill_alive = pd.server("prefill").proc.poll() is None
+    print(f"\nG4-PD-ONE-TOKEN {pd.cfg.connector}: HTTP {resp.status_code} "
+          f"{resp.text[:120]!r}, prefill server alive: {prefill_alive}")
+    if not patched and pd.cfg.connector == "ExampleConnector":
+        assert resp.status_code >= 500 or not prefill_alive, resp.text
+        return
+    assert resp.status_code == 200, resp.text
+    text = resp.json()["choices"][0]["text"]
+    assert re.fullmatch("[a-z]{1,6}", text), text
+    assert prefill_alive
+    idle = wl.wait_idle(pd)
+    assert wl.is_idle(idle), idle

@@ -18,6 +18,7 @@ from test_pd_example import (  # noqa: F401  (collected here with this module's 
     test_pd_client_disconnect,
     test_pd_kv_equals_local,
     test_pd_structured,
+    test_pd_one_token_prompt,  # last: it may take the prefill server down
 )
 
 # In CI (patched and stock). It was opt-in until the cause of its "stall" was
