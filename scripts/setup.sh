@@ -85,4 +85,9 @@ PY
   )
   rm -rf "$v033" && mv "$v033.tmp" "$v033"
 fi
+# vLLM's own tests (source distributions) for tests/test_vllm_suites.py
+for v in 0.32.0 0.33.0; do
+  timeout 600 "$py" -m vllm_patch.testing.vllm_suites --prepare --version "$v" >/dev/null \
+    || say "vLLM $v test sources not fetched: tests/test_vllm_suites.py will skip"
+done
 say "ready: venv $venv, vLLM 0.33.0 tree $v033"
