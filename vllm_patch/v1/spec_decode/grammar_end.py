@@ -105,3 +105,14 @@ def stop_set(sampling_params: Any) -> frozenset[int]:
     if eos is not None:
         stops.add(eos)
     return frozenset(int(t) for t in stops)
+
+
+def withhold_drafts(out: Any, drop: Any) -> Any:
+    """The runner's hand-over (`take_draft_token_ids`) with no drafts for the
+    requests in `drop` (their grammar ended; shared by the V1 and V2 runner
+    patches)."""
+    if out is not None and drop:
+        out.draft_token_ids = [
+            [] if req_id in drop else list(ids)
+            for req_id, ids in zip(out.req_ids, out.draft_token_ids)]
+    return out

@@ -228,14 +228,10 @@ def _make_sample(original: Any) -> Any:
 
 
 def _make_take_draft_token_ids(original: Any) -> Any:
+    from vllm_patch.v1.spec_decode.grammar_end import withhold_drafts
+
     def take_draft_token_ids(self: Any) -> Any:
-        out = original(self)
-        drop = self.__dict__.get(_DROP_ATTR)
-        if out is not None and drop:
-            out.draft_token_ids = [
-                [] if req_id in drop else list(ids)
-                for req_id, ids in zip(out.req_ids, out.draft_token_ids)]
-        return out
+        return withhold_drafts(original(self), self.__dict__.get(_DROP_ATTR))
 
     return take_draft_token_ids
 
