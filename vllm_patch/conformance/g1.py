@@ -304,16 +304,16 @@ SCENARIOS: list[Scenario] = [
     Scenario("g1-async-queue5-stagger4", "G1",
              "async, batch queue 5, decode stagger 4 = pp",
              async_queue(5, stagger=4), stock_fails=False),
-    Scenario("g1-gap1-queue3-stagger1", "G1",
-             "gap 1: async, batch queue 3, decode stagger 1 (XPU microbatch off)",
+    Scenario("g1-stagger-queue3-stagger1", "G1",
+             "decode stagger below the pipeline depth: async, batch queue 3, decode stagger 1 (XPU microbatch off)",
              async_queue(3, stagger=1),
              stock_violations=(
                  "step 2: r1 bitmask row 0 built from a stale grammar (worker "
                  "had 1 output tokens)",
                  "step 2: r2 bitmask row 0 built from a stale grammar (worker "
                  "had 1 output tokens)")),
-    Scenario("g1-gap1-queue3-stagger1-spec", "G1",
-             "gap 1 with 3 drafts", async_queue(3, stagger=1, spec=3),
+    Scenario("g1-stagger-queue3-stagger1-spec", "G1",
+             "decode stagger below the pipeline depth, with 3 drafts", async_queue(3, stagger=1, spec=3),
              stock_violations=(
                  "step 2: r1 bitmask row 0 built from a stale grammar (worker "
                  "had 1 output tokens)",
@@ -323,16 +323,16 @@ SCENARIOS: list[Scenario] = [
                  "scheduled [70, 71, 70], reference []",
                  "step 2: r2 drafts validated against a stale grammar: "
                  "scheduled [70, 71, 70], reference []")),
-    Scenario("g1-gap1-queue5-stagger2", "G1",
-             "gap 1: async, batch queue 5, decode stagger 2 < pp",
+    Scenario("g1-stagger-queue5-stagger2", "G1",
+             "decode stagger below the pipeline depth: async, batch queue 5, decode stagger 2 < pp",
              async_queue(5, stagger=2),
              stock_violations=(
                  "step 3: r1 bitmask row 0 built from a stale grammar (worker "
                  "had 1 output tokens)",
                  "step 3: r2 bitmask row 0 built from a stale grammar (worker "
                  "had 1 output tokens)")),
-    Scenario("g1-gap2-sync-batch-queue-drafts", "G1",
-             "gap 2: sync scheduler, batch queue 2, 3 drafts",
+    Scenario("g1-sync-batch-queue-drafts", "G1",
+             "sync scheduler with a batch queue (pipeline parallelism), batch queue 2, 3 drafts",
              sync_batch_queue_drafts,
              stock_violations=(
                  "step 1: r0 bitmask row 0 built from a stale grammar (worker "
@@ -350,8 +350,8 @@ SCENARIOS: list[Scenario] = [
     Scenario("g1-abort-in-flight", "G1",
              "abort a structured request with a step in flight",
              abort_in_flight, stock_fails=False),
-    Scenario("g1-gapC-kv-recompute-async", "G1",
-             "gap C: async + KV-load failure with recompute policy",
+    Scenario("g1-kv-recompute-async", "G1",
+             "async + KV-load failure with recompute policy",
              kv_recompute_async,
              stock_violations=(
                  "step 1: r0 bitmask row 0 built from a stale grammar (worker "

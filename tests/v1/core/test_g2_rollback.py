@@ -81,7 +81,7 @@ def test_stop_on_grammar_termination_off(patched, monkeypatch):
     rejection trim."""
     monkeypatch.setenv("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", "0")
     by_name = {s.name: s for s in g2.SCENARIOS}
-    p1 = by_name["g2-p1-xgrammar-eos-mid-step"]
+    p1 = by_name["g2-xgrammar-eos-mid-step"]
     # Both modes: stock's P1 failure exactly (tokens after the end emitted,
     # the request keeps running).
     assert p1.run() == p1.expected_stock(SERIES)
@@ -91,8 +91,8 @@ def test_stop_on_grammar_termination_off(patched, monkeypatch):
         import vllm_patch
         from vllm_patch import patching
 
-        names = ("g2-p1-xgrammar-eos-mid-step", "g2-p4-guidance",
-                 "g2-p5-outlines", "g2-p5-outlines-bonus", "g2-multi-step-outlines")
+        names = ("g2-xgrammar-eos-mid-step", "g2-guidance",
+                 "g2-outlines", "g2-outlines-bonus", "g2-multi-step-outlines")
         off = {n: by_name[n].run() for n in names}
         patching.revert_all()
         try:
@@ -101,7 +101,7 @@ def test_stop_on_grammar_termination_off(patched, monkeypatch):
             vllm_patch.register()
         assert off == stock == {n: by_name[n].expected_stock(SERIES)
                                 for n in names}
-    p6 = by_name["g2-p6-rejection-xgrammar"]
+    p6 = by_name["g2-rejection-xgrammar"]
     assert p6.run() == ([] if patched else p6.expected_stock(SERIES))
 
 
@@ -111,7 +111,7 @@ def test_rejection_logs_once(patched, caplog):
 
     caplog.set_level(logging.ERROR, logger="vllm_patch")
     by_name = {s.name: s for s in g2.SCENARIOS}
-    by_name["g2-p6-rejection-xgrammar"].run()
+    by_name["g2-rejection-xgrammar"].run()
     lines = [r.getMessage() for r in caplog.records
              if r.name.startswith("vllm_patch") and "G2" in r.getMessage()]
     if patched:
