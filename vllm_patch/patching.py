@@ -707,6 +707,7 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
     """One row per guarantee: native / patched / partial / not enforced."""
     settings = settings or envs.settings()
     rows = []
+    native = v2_native_checks()  # reads vLLM's V2 source once per table
     for gid, text in GUARANTEES.items():
         patches = [p for p in REGISTRY.patches.values() if p.guarantee == gid]
         outcomes = [
@@ -745,7 +746,7 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
             "limits": list(KNOWN_LIMITS.get(gid, ())) if status != "not enforced" else [],
             "patches": [patch_row(o) for o in outcomes],
         })
-        rows[-1]["runners"] = runner_rows(rows[-1])
+        rows[-1]["runners"] = runner_rows(rows[-1], native)
     return rows
 
 
@@ -827,7 +828,8 @@ def v2_native_checks() -> dict[str, str]:
     return native
 
 
-def runner_rows(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def runner_rows(row: dict[str, Any], native_checks: dict[str, str] | None = None,
+                ) -> dict[str, dict[str, Any]]:
     """For one guarantee_table row: its status on each model runner.
 
     A runner-specific patch counts only for its runner; the row's own
@@ -835,7 +837,9 @@ def runner_rows(row: dict[str, Any]) -> dict[str, dict[str, Any]]:
     both. V2's native num_acceptable_drafts check replaces V1's worker-side
     acceptance patch."""
     gid = row["guarantee"]
-    native = v2_native_checks().get(gid, "") if row["patches"] else ""
+    if native_checks is None:
+        native_checks = v2_native_checks()
+    native = native_checks.get(gid, "") if row["patches"] else ""
     out: dict[str, dict[str, Any]] = {}
     for runner in RUNNERS:
         mine = [p for p in row["patches"] if p["name"] in REGISTRY.patches
