@@ -63,6 +63,13 @@ class Settings:
     # VLLM_CPU_OMP_THREADS_BIND cores. None (unset): on, except under
     # VLLM_PATCH_DISABLE=1; True: on even there; False: off.
     nixl_cpu_core_in_bind: bool | None
+    # Grammar-aware drafting (speculative decoding + structured outputs): a
+    # draft position where the grammar allows exactly one token gets that
+    # token as its draft. On by default when patched.
+    forced_drafts: bool
+    # Grammar-aware drafting: the drafter's (EAGLE / draft model) proposals
+    # are masked by the grammar position by position. On by default.
+    masked_drafts: bool
 
 
 ENV_VARS: dict[str, str] = {
@@ -96,6 +103,16 @@ ENV_VARS: dict[str, str] = {
         "NIXL instance of a host on its last core); 0 turns it off, 1 keeps "
         "it on under VLLM_PATCH_DISABLE=1"
     ),
+    "VLLM_PATCH_FORCED_DRAFTS": (
+        "on by default: with speculative decoding, a draft position where a "
+        "structured request's grammar allows exactly one token gets that "
+        "token as its draft; 0 turns it off"
+    ),
+    "VLLM_PATCH_MASKED_DRAFTS": (
+        "on by default: with an EAGLE or draft-model drafter, a structured "
+        "request's drafts are chosen among the tokens its grammar allows, "
+        "position by position; 0 turns it off"
+    ),
 }
 
 
@@ -114,4 +131,6 @@ def settings() -> Settings:
             "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING", False
         ),
         nixl_cpu_core_in_bind=_optional_flag("VLLM_PATCH_NIXL_CPU_CORE_IN_BIND"),
+        forced_drafts=_flag("VLLM_PATCH_FORCED_DRAFTS", True),
+        masked_drafts=_flag("VLLM_PATCH_MASKED_DRAFTS", True),
     )
