@@ -24,6 +24,20 @@ from vllm_patch import envs  # noqa: E402
 vllm_patch.register()
 
 
+def pytest_collection_modifyitems(config, items):
+    # The stock run exists to show the failures the patches remove. A control
+    # (stock behaves the same, measured) or a package feature that does not
+    # depend on the patches would only repeat the patched run there.
+    if not envs.settings().disable:
+        return
+    skip = pytest.mark.skip(reason="patched run only: a control or a feature "
+                            "that does not depend on the patches (no failure "
+                            "for the stock run to show)")
+    for item in items:
+        if item.get_closest_marker("patched_only"):
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def patched() -> bool:
     """True when the patches are on; False for the stock (disabled) run."""

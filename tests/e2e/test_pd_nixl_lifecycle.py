@@ -39,7 +39,7 @@ import requests
 
 from vllm_patch.testing import workload as wl
 
-pytestmark = [pytest.mark.e2e, pytest.mark.nixl]
+pytestmark = [pytest.mark.e2e, pytest.mark.nixl, pytest.mark.patched_only]
 
 HANDSHAKE_TIMEOUT_S = 5.0  # NIXL worker: zmq RCVTIMEO of the metadata query
 

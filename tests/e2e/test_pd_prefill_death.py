@@ -24,7 +24,7 @@ import requests
 
 from vllm_patch.testing import workload as wl
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.patched_only]
 
 
 @pytest.fixture(params=["ExampleConnector",

@@ -24,6 +24,9 @@ import requests
 from vllm_patch.launch.config import LaunchConfig, LaunchError, load
 from vllm_patch.launch.deployment import Deployment, cpu_bind_ranges
 
+# The launcher does not depend on the patches: patched run only.
+pytestmark = pytest.mark.patched_only
+
 STANDIN = ["{python}", "-m", "vllm_patch.testing.standin_server"]
 
 

@@ -4,13 +4,14 @@ scheduling kept on by the test-only switch, ExampleConnector over a shared
 temp dir) placed by the launcher on different nodes of a real 3-node Ray
 cluster, the router in front.
 
-Checks: placement by node resource; the plugin is active in the servers
-(patched run) or reports itself disabled (stock run, VLLM_PATCH_DISABLE=1);
+Checks: placement by node resource; the plugin is active in the servers;
 structured requests through the endpoint return valid output with nothing
 after the grammar's end (requests without ignore_eos, which stock also gets
 right: G1-G4 themselves are proven by tests/e2e and tests/v1); a killed decode
 server is restarted and serves again; at idle no KV block is held; teardown
-leaves no process."""
+leaves no process. Patched run only: the launcher does not depend on the
+patches, and a stock deployment is what `vllm-patch demo` (tests/launch/
+test_demo.py) starts next to a patched one."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .test_launch_lifecycle import gone, server_pids
 
 
 @pytest.fixture
-def tiny_cfg(tmp_path, patched) -> LaunchConfig:
+def tiny_cfg(tmp_path) -> LaunchConfig:
     from vllm_patch.testing.pd_pair import tiny_vllm_args
     from vllm_patch.testing import tiny_model
 
@@ -40,7 +41,7 @@ def tiny_cfg(tmp_path, patched) -> LaunchConfig:
         model=model, served_model_name="tiny", connector="ExampleConnector",
         kv_connector_extra_config={"shared_storage_path": str(tmp_path / "kv")},
         vllm_args=tiny_vllm_args(model, spec_k=3),
-        env={"VLLM_PATCH_DISABLE": "0" if patched else "1",
+        env={"VLLM_PATCH_DISABLE": "0",
              "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING": "1",
              "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
         prefill={"node_resource": "prefill_node"}, decode={"node_resource": "decode_node"},
@@ -52,8 +53,9 @@ def _requests(n: int) -> list[dict]:
     return [r for r in wl.build_requests() if not r["ignore_eos"]][:n]
 
 
+@pytest.mark.patched_only
 @pytest.mark.timeout(900)
-def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg, patched):
+def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg):
     lines: list[str] = []
     with Deployment(tiny_cfg, progress=lines.append) as dep:
         assert {i.name: i.info["node_id"] for i in dep.instances} == {
@@ -61,12 +63,9 @@ def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg, patched):
             "decode-0": node_of_resource["decode_node"]}
         for inst in dep.instances:
             log = Path(inst.status["log"]).read_text(errors="replace")
-            if patched:
-                applied = re.search(rf"vllm_patch {vllm_patch.__version__} on vLLM "
-                                    r"\S+: applied (.*)", log)
-                assert applied and "g2-commit-cut" in applied.group(1), inst.name
-            else:
-                assert "VLLM_PATCH_DISABLE=1, no patch applied" in log, inst.name
+            applied = re.search(rf"vllm_patch {vllm_patch.__version__} on vLLM "
+                                r"\S+: applied (.*)", log)
+            assert applied and "g2-commit-cut" in applied.group(1), inst.name
 
         res = wl.run_batch(dep, _requests(12))
         print("\n" + wl.summary("launch", res))
