@@ -121,3 +121,16 @@ def test_vllm_own_tests_slice(patched, tmp_path):
     for nodeid, assertion in expected.items():
         assert crash[nodeid]["source"] == assertion, (nodeid, crash[nodeid])
     assert diff["fixed"] == [] and diff["other"] == []
+
+
+@pytest.mark.unit
+def test_failure_through_a_wrapper_that_stock_raises_too_is_not_ours():
+    err = {"crash": "vllm/_custom_ops.py:12: AttributeError: no op", "in_vllm_patch": True}
+    stock = {"a": dict(err, in_vllm_patch=False), "b": dict(err, in_vllm_patch=False)}
+    patched = {
+        "a": err,                                          # vLLM's error, through our wrapper
+        "b": dict(err, crash="vllm_patch/x.py:3: KeyError"),  # a different error: ours
+        "c": err,                                          # stock passed: ours
+        "d": dict(err, in_vllm_patch=False),               # no frame of ours
+    }
+    assert vllm_suites.raised_in_vllm_patch(stock, patched) == (["b", "c"], ["a"])

@@ -379,6 +379,18 @@ def crashes(out_dir: Path, mode: str) -> dict[str, dict]:
     return {k: r for k, r in _rows(out_dir / f"{mode}.jsonl").items() if "crash" in r}
 
 
+def raised_in_vllm_patch(stock: dict[str, dict], patched: dict[str, dict],
+                         ) -> tuple[list[str], list[str]]:
+    """(ours, same): patched failures with a vllm_patch frame in their
+    traceback, split into those stock does not raise identically (ours) and
+    those it does: a patched function that calls vLLM's original, which
+    raises, puts our frame in the traceback of vLLM's own error."""
+    with_frame = [k for k, c in patched.items() if c.get("in_vllm_patch")]
+    same = sorted(k for k in with_frame
+                  if stock.get(k, {}).get("crash") == patched[k].get("crash"))
+    return sorted(set(with_frame) - set(same)), same
+
+
 def run_env(mode: str, vllm_tree: Path | None, hf_home: Path,
             extra: dict[str, str] | None = None) -> dict[str, str]:
     import vllm_patch
@@ -610,18 +622,24 @@ def main(argv: list[str] | None = None) -> int:
             if c and p in ("failed", "error"):
                 print(f"      {'RAISED INSIDE vllm_patch: ' if c['in_vllm_patch'] else ''}"
                       f"{c['crash'].splitlines()[0] if c['crash'] else ''}")
-    inside = sorted(k for k, c in patched_crash.items() if c["in_vllm_patch"])
+    inside, same = raised_in_vllm_patch(crashes(out_dir, "stock"), patched_crash)
     print(f"-- patched failures with a vllm_patch frame in the traceback: {len(inside)}")
     for nodeid in inside:
         print(f"   {nodeid}  stock={results['stock'].get(nodeid)}: "
               f"{patched_crash[nodeid]['crash'].splitlines()[0]}")
+    if same:
+        print(f"-- failures stock raises identically (the traceback only passes "
+              f"through a vllm_patch wrapper): {len(same)}")
+        for nodeid in same:
+            print(f"   {nodeid}: {patched_crash[nodeid]['crash'].splitlines()[0]}")
     print(f"junit XML and logs: {out_dir}")
     if args.json:
         args.json.write_text(json.dumps({
             "vllm": version, "times": times,
             "summary": {m: summary(r) for m, r in results.items()},
             "counts": {m: len(r) for m, r in results.items()},
-            "differences": diff, "raised_in_vllm_patch": inside}, indent=1))
+            "differences": diff, "raised_in_vllm_patch": inside,
+            "same_failure_as_stock_through_vllm_patch": same}, indent=1))
     return 1 if diff["regressions"] or inside else 0
 
 
