@@ -379,10 +379,20 @@ def _make_propose_draft_token_ids(original: Any) -> Any:
 
 
 def _make_take_draft_token_ids(original: Any) -> Any:
+    from vllm_patch.v1.spec_decode import grammar_drafts
     from vllm_patch.v1.spec_decode.grammar_end import withhold_drafts
 
     def take_draft_token_ids(self: Any) -> Any:
-        return withhold_drafts(original(self), self.__dict__.get(_DROP_ATTR))
+        out = withhold_drafts(original(self), self.__dict__.get(_DROP_ATTR))
+        # Grammar-aware drafting: no drafts after a grammar's end (the
+        # drafter stopped walking the grammar there).
+        drafter = getattr(self, "drafter", None)
+        limits = grammar_drafts.take_limits(drafter)
+        if limits:
+            t = drafter.__dict__.get(grammar_drafts.TRACKER_ATTR)
+            out = grammar_drafts.trim_drafts(
+                out, limits, t.stats if t is not None else None)
+        return out
 
     return take_draft_token_ids
 

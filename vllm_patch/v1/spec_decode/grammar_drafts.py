@@ -1,0 +1,429 @@
+"""Grammar-aware drafting for the V1 runner's EAGLE / draft-model drafters:
+drafts of structured requests are chosen among the tokens their grammar
+allows (masked drafts), and a draft position where the grammar allows exactly
+one token gets that token (forced drafts).
+
+Where the grammar state lives: one *shadow* grammar per structured request,
+in the drafter (worker side). It is a NEW grammar object compiled by the
+scheduler's own structured-output backend (`backend.compile_grammar`, the
+same StructuredOutputGrammar API for xgrammar, guidance and outlines; the
+backend's compile cache makes the second compile cheap). The committed
+grammar the scheduler owns is never touched (under async scheduling the
+scheduler advances it on another thread). The shadow is advanced with the
+tokens this runner sampled in each step (accepted drafts + bonus token; it
+sees them in `prepare_next_token_ids_*`, right before it drafts), walked
+forward position by position while drafting and rolled back after, so it
+is in step in sync and async scheduling alike.
+
+Only where the worker runs in the engine-core process (the in-process
+executor, one worker: TP = PP = 1) does the scheduler's backend exist next to
+the drafter. Multiprocess workers (TP > 1, PP, Ray) have none: there the
+feature is off, logged once per worker. Turning it on there would need the
+worker to build its own backend (the tokenizer and the structured-output
+config are in its vllm_config) and compile from the request's
+`sampling_params.structured_outputs`: the same code, a second compile.
+
+Correctness does not depend on the shadow: a draft is only a proposal the
+target verifies with the committed grammar's bitmask. V1's rejection
+sampler keeps the target distribution for any deterministic drafts (greedy
+drafting, vLLM's default `draft_sample_method`); with probabilistic drafting
+the masked logits are what the draft is sampled from, so the draft
+probabilities handed to the rejection sampler are the masked, renormalised
+distribution the draft was really drawn from. A forced draft replaces the
+drafter's choice only with draft probabilities one-hot at that token.
+A shadow that rejects a token (out of step: e.g. a step the runner took
+without calling the drafter's preparation) is dropped: that request drafts
+as in stock from then on (counted as `shadows_lost`).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+logger = logging.getLogger(__name__)
+
+# Structured-output managers alive in this process (filled by the patch of
+# StructuredOutputManager.__init__): the worker finds the scheduler's backend
+# here when it runs in the engine-core process.
+MANAGERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+TRACKER_ATTR = "_vllm_patch_grammar_drafts"
+
+NOT_ACTIVE_MULTIPROCESS = (
+    "this worker does not run in the engine-core process (multiprocess "
+    "workers: tensor or pipeline parallel, Ray), so it has no access to the "
+    "scheduler's grammars")
+
+
+def find_manager(vllm_config: Any) -> Any:
+    """The scheduler's StructuredOutputManager in this process: the one
+    built from the same vllm_config, else the only one alive, else None."""
+    live = list(MANAGERS)
+    for manager in live:
+        if getattr(manager, "vllm_config", None) is vllm_config:
+            return manager
+    return live[0] if len(live) == 1 else None
+
+
+@dataclass
+class Shadow:
+    grammar: Any
+    # Tokens walked forward while drafting in this step (rolled back after).
+    walked: int = 0
+    # Still walking in this step (False after the grammar ended or refused).
+    walking: bool = True
+
+
+@dataclass
+class Tracker:
+    """Per drafter (one per worker): the shadows, this step's context and
+    the counters."""
+
+    masked: bool
+    forced: bool
+    manager_ref: Any = None
+    reason_off: str = ""
+    shadows: dict[str, Shadow] = field(default_factory=dict)
+    # req_ids that lost their shadow (stock drafting from then on).
+    lost: set[str] = field(default_factory=set)
+    # This step: batch row -> (req_id, shadow); None outside a propose call.
+    rows: dict[int, tuple[str, Shadow]] | None = None
+    batch_req_ids: list[str] = field(default_factory=list)
+    position: int = 0
+    # req_id -> number of drafts worth handing over (drafts after the
+    # grammar's end are dropped).
+    limits: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, int] = field(default_factory=lambda: {
+        "propose_calls": 0,
+        # Draft positions of structured requests drafted under the grammar.
+        "positions": 0,
+        # ... of which the grammar allowed one token only (forced draft).
+        "forced": 0,
+        # ... of which the forced token replaced another drafter choice.
+        "forced_changed": 0,
+        # ... masked positions where the mask changed the drafter's choice.
+        "masked_changed": 0,
+        # Requests whose drafting stopped at the grammar's end.
+        "ended": 0,
+        # Drafts dropped after the grammar's end.
+        "drafts_trimmed": 0,
+        # Shadows built / lost (out of step: stock drafting from then on).
+        "shadows": 0,
+        "shadows_lost": 0,
+    })
+
+    @property
+    def manager(self) -> Any:
+        return self.manager_ref() if self.manager_ref is not None else None
+
+
+def tracker(drafter: Any) -> Tracker | None:
+    """The drafter's tracker, created on first use; None when both switches
+    are off or the feature cannot run here (said once in the log)."""
+    t = drafter.__dict__.get(TRACKER_ATTR)
+    if t is not None:
+        return t if not t.reason_off else None
+    from vllm_patch import envs
+
+    s = envs.settings()
+    t = Tracker(masked=s.masked_drafts, forced=s.forced_drafts)
+    drafter.__dict__[TRACKER_ATTR] = t
+    if not (t.masked or t.forced):
+        t.reason_off = "off by switch"
+        return None
+    config = getattr(drafter, "vllm_config", None)
+    so = getattr(config, "structured_outputs_config", None)
+    if getattr(so, "reasoning_parser", "") or "":
+        t.reason_off = "a reasoning parser is configured"
+    elif not drafter_eligible(drafter):
+        t.reason_off = (f"drafter {type(drafter).__name__} is not a "
+                        "single-token EAGLE / draft-model drafter")
+    if t.reason_off:
+        logger.info("vllm_patch: grammar-aware drafting is off in this "
+                    "worker: %s", t.reason_off)
+        return None
+    return t
+
+
+def _bind_manager(t: Tracker, drafter: Any) -> bool:
+    if t.manager is not None:
+        return True
+    manager = find_manager(getattr(drafter, "vllm_config", None))
+    if manager is None:
+        t.reason_off = NOT_ACTIVE_MULTIPROCESS
+        logger.warning("vllm_patch: grammar-aware drafting (forced and "
+                       "masked drafts) is off in this worker: %s; structured "
+                       "requests draft as in stock vLLM", t.reason_off)
+        return False
+    t.manager_ref = weakref.ref(manager)
+    return True
+
+
+def drafter_eligible(drafter: Any) -> bool:
+    """Drafters whose draft tokens come from `_sample_draft_tokens` over the
+    full target vocabulary, one row per request and position."""
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    return (isinstance(drafter, SpecDecodeBaseProposer)
+            and type(drafter)._greedy_sample is SpecDecodeBaseProposer._greedy_sample
+            and not getattr(drafter, "use_local_argmax_reduction", False)
+            and not getattr(drafter, "use_heterogeneous_vocab", False)
+            and not getattr(drafter, "parallel_drafting", False))
+
+
+def _compile(t: Tracker, params: Any) -> Any:
+    from vllm.v1.structured_output.request import get_structured_output_key
+
+    backend = getattr(t.manager, "backend", None)
+    if backend is None:
+        return None
+    request_type, spec = get_structured_output_key(params.structured_outputs)
+    return backend.compile_grammar(request_type, spec,
+                                   stop_token_ids=params.all_stop_token_ids)
+
+
+def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
+            sampled: Sequence[Sequence[int]], skip: Sequence[bool],
+            outputs_include_step: bool = False) -> None:
+    """After a step: advance each structured request's shadow by the tokens
+    the runner sampled for it (row i of `sampled`: -1 = rejected), building
+    shadows for new requests (caught up with their earlier outputs).
+    `skip[i]`: row i committed nothing (a partial prefill).
+    `outputs_include_step`: the runner's bookkeeping already appended this
+    step's tokens to the request state (drafting on CPU tokens)."""
+    t = tracker(drafter)
+    if t is None:
+        return
+    t.batch_req_ids = list(req_ids)
+    live = set(requests)
+    for req_id in [r for r in t.shadows if r not in live]:
+        del t.shadows[req_id]
+    t.lost &= live
+    for i, req_id in enumerate(req_ids):
+        if req_id is None or (i < len(skip) and skip[i]):
+            continue
+        state = requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        if getattr(params, "structured_outputs", None) is None \
+                or req_id in t.lost:
+            continue
+        tokens = [int(x) for x in sampled[i] if int(x) >= 0] \
+            if i < len(sampled) else []
+        shadow = t.shadows.get(req_id)
+        if shadow is None:
+            earlier = list(getattr(state, "output_token_ids", ()))
+            if not _bind_manager(t, drafter):
+                return
+            if any(x < 0 for x in earlier):
+                t.lost.add(req_id)  # history unknown here: stock drafting
+                continue
+            try:
+                grammar = _compile(t, params)
+            except Exception:  # noqa: BLE001 - drafting must never fail a step
+                logger.debug("vllm_patch: shadow grammar for %s failed to "
+                             "compile", req_id, exc_info=True)
+                grammar = None
+            if grammar is None:
+                t.lost.add(req_id)
+                continue
+            shadow = t.shadows[req_id] = Shadow(grammar)
+            t.stats["shadows"] += 1
+            tokens = earlier if outputs_include_step else earlier + tokens
+        if tokens and (shadow.grammar.is_terminated()
+                       or not shadow.grammar.accept_tokens(req_id, tokens)):
+            del t.shadows[req_id]
+            t.lost.add(req_id)
+            t.stats["shadows_lost"] += 1
+
+
+def begin(drafter: Any, batch_size: int) -> None:
+    """Start of drafter.propose: which rows draft under a grammar."""
+    t = tracker(drafter)
+    if t is None:
+        return
+    t.stats["propose_calls"] += 1
+    t.position = 0
+    t.limits = {}
+    rows: dict[int, tuple[str, Shadow]] = {}
+    if len(t.batch_req_ids) == batch_size:
+        for i, req_id in enumerate(t.batch_req_ids):
+            shadow = t.shadows.get(req_id)
+            if shadow is not None:
+                shadow.walked = 0
+                shadow.walking = not shadow.grammar.is_terminated()
+                if shadow.walking:
+                    rows[i] = (req_id, shadow)
+                else:
+                    t.limits[req_id] = 0
+    t.rows = rows or None
+
+
+def end(drafter: Any) -> None:
+    """End of drafter.propose (also on error): roll every shadow back to
+    the committed state."""
+    t = drafter.__dict__.get(TRACKER_ATTR)
+    if t is None or t.rows is None:
+        return
+    for _, shadow in t.rows.values():
+        if shadow.walked:
+            shadow.grammar.rollback(shadow.walked)
+        shadow.walked = 0
+    t.rows = None
+    t.batch_req_ids = []
+
+
+def take_limits(drafter: Any) -> dict[str, int]:
+    """Drafts worth handing over per request (after the grammar's end none
+    are); consumed by the runner's take_draft_token_ids."""
+    t = drafter.__dict__.get(TRACKER_ATTR) if drafter is not None else None
+    if t is None or not t.limits:
+        return {}
+    limits, t.limits = t.limits, {}
+    return limits
+
+
+def trim_drafts(out: Any, limits: dict[str, int], stats: dict | None = None) -> Any:
+    if out is None or not limits:
+        return out
+    trimmed = []
+    for req_id, ids in zip(out.req_ids, out.draft_token_ids):
+        n = limits.get(req_id)
+        ids = list(ids)
+        if n is not None and n < len(ids):
+            if stats is not None:
+                stats["drafts_trimmed"] += len(ids) - n
+            ids = ids[:n]
+        trimmed.append(ids)
+    out.draft_token_ids = trimmed
+    return out
+
+
+def allowed_mask(bitmask: Any, vocab: int) -> Any:
+    """Bool [rows, vocab] from int32 [rows, words] grammar bitmask words."""
+    import torch
+
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool()
+    bits = bits.reshape(bitmask.shape[0], -1)
+    if bits.shape[1] < vocab:
+        pad = torch.zeros(bitmask.shape[0], vocab - bits.shape[1],
+                          dtype=torch.bool, device=bitmask.device)
+        bits = torch.cat([bits, pad], dim=1)
+    return bits[:, :vocab]
+
+
+def sample(drafter: Any, original: Any, hidden_states: Any,
+           sampling_metadata: Any) -> Any:
+    """`_sample_draft_tokens` under the grammar for this position."""
+    import torch
+
+    t = drafter.__dict__.get(TRACKER_ATTR)
+    if t is None or t.rows is None or t.reason_off:
+        return original(drafter, hidden_states, sampling_metadata)
+    pos = t.position
+    t.position += 1
+    rows = [(i, req_id, sh) for i, (req_id, sh) in t.rows.items() if sh.walking]
+    if not rows or hidden_states.shape[0] <= max(i for i, _, _ in rows):
+        return original(drafter, hidden_states, sampling_metadata)
+    index = [i for i, _, _ in rows]
+    # Bitmask words as the scheduler allocates them (model vocabulary).
+    vocab_model = int(drafter.vllm_config.model_config.get_vocab_size())
+    words = (vocab_model + 31) // 32
+    masks = torch.full((len(rows), words), -1, dtype=torch.int32)
+    for r, (_, _, sh) in enumerate(rows):
+        sh.grammar.fill_bitmask(masks, r)
+    probabilistic = (getattr(drafter, "_enable_probabilistic_draft_probs", False)
+                     and not sampling_metadata.all_greedy)
+    if t.masked:
+        logits = drafter.model.compute_logits(hidden_states)
+        vocab = logits.shape[-1]
+        allowed = allowed_mask(masks, vocab).to(logits.device)
+        idx = torch.tensor(index, device=logits.device)
+        before = logits[idx].argmax(dim=-1)
+        sub = logits[idx].masked_fill(~allowed, float("-inf"))
+        logits[idx] = sub
+        if probabilistic:
+            ids, probs = drafter._sample_from_logits(logits, sampling_metadata)
+        else:
+            ids, probs = logits.argmax(dim=-1), None
+        chosen = ids[idx].tolist()
+        t.stats["masked_changed"] += sum(
+            int(a != b) for a, b in zip(before.tolist(), chosen))
+        counts = allowed.sum(dim=-1).tolist()
+    else:
+        ids, probs = original(drafter, hidden_states, sampling_metadata)
+        allowed = allowed_mask(masks, vocab_model)
+        counts = allowed.sum(dim=-1).tolist()
+        chosen = ids[torch.tensor(index, device=ids.device)].tolist()
+    for r, (i, req_id, sh) in enumerate(rows):
+        t.stats["positions"] += 1
+        token = int(chosen[r])
+        if counts[r] == 1:
+            t.stats["forced"] += 1
+            forced = int(allowed[r].nonzero()[0, 0])
+            if t.forced and forced != token:
+                t.stats["forced_changed"] += 1
+                ids[i] = forced
+                if probs is not None:
+                    probs[i].zero_()
+                    probs[i, forced] = 1.0
+                token = forced
+        elif counts[r] == 0:
+            # Nothing allowed (ended): no draft from here on.
+            sh.walking = False
+            t.limits[req_id] = pos
+            t.stats["ended"] += 1
+            continue
+        if not sh.grammar.accept_tokens(req_id, [token]):
+            sh.walking = False  # unmasked drafter left the grammar
+            continue
+        sh.walked += 1
+        if sh.grammar.is_terminated():
+            sh.walking = False
+            t.limits[req_id] = pos + 1
+            t.stats["ended"] += 1
+    return ids, probs
+
+
+def stats(worker: Any) -> dict[str, int]:
+    """The grammar-aware drafting counters of a worker's drafter; for
+    `LLM.collective_rpc(grammar_draft_stats)`."""
+    runner = getattr(worker, "model_runner", worker)
+    drafter = getattr(runner, "drafter", runner)
+    t = drafter.__dict__.get(TRACKER_ATTR) if drafter is not None else None
+    out = dict(Tracker(False, False).stats if t is None else t.stats)
+    out["active"] = int(t is not None and not t.reason_off)
+    return out
+
+
+grammar_draft_stats = stats
+
+
+def feature_status(settings: Any) -> list[dict[str, str]]:
+    """One status line per feature for `vllm-patch status`."""
+    from vllm_patch.patching import REGISTRY, State
+
+    names = [n for n in REGISTRY.patches if n.startswith("grammar-drafts-")]
+    failed = [f"{n}: {REGISTRY.outcomes[n].state.value}"
+              for n in names if n in REGISTRY.outcomes
+              and REGISTRY.outcomes[n].state is not State.APPLIED]
+    rows = []
+    for feature, on, var in (
+            ("forced drafts", settings.forced_drafts, "VLLM_PATCH_FORCED_DRAFTS"),
+            ("masked drafts", settings.masked_drafts, "VLLM_PATCH_MASKED_DRAFTS")):
+        if settings.disable:
+            status, why = "off", "VLLM_PATCH_DISABLE=1"
+        elif not on:
+            status, why = "off", f"{var}=0"
+        elif failed or not names:
+            status, why = "not active", "; ".join(failed) or "not registered"
+        else:
+            status, why = "on", (
+                "EAGLE / draft-model drafters, one in-process worker "
+                "(multiprocess workers: off, logged); not with a reasoning "
+                "parser")
+        rows.append({"feature": feature, "status": status, "reason": why})
+    return rows
