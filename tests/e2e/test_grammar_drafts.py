@@ -1,0 +1,158 @@
+"""Grammar-aware drafting end to end: a real vLLM 0.32 engine on the CPU
+(in-process, sync scheduling), the tiny local model as its own drafter
+(`draft_model` = the target, greedy: the perfect drafter), k = 4, a few real
+JSONSchemaBench schemas (../shared/data/jsonschemabench-dev).
+
+Patched (masked and forced drafts on, the default): greedy outputs are
+token-identical to non-speculative constrained decoding with xgrammar and
+with guidance; mean tokens per target step on the structured requests is at
+least 0.75 (k + 1); seeded temperature-0.7 requests give valid JSON; the
+worker's counters show the shadow grammars at work (none lost).
+Stock (VLLM_PATCH_DISABLE=1): the perfect drafter proposes the model's
+unconstrained choice, the grammar cuts it, and tokens per step stay far
+below 0.75 (k + 1) (about 1.1 with this model).
+
+Tokens per target step = output tokens / target steps, where steps = steps
+with drafts (the engine's draft count) + the tokens not made by those steps
+(each yields its accepted drafts plus one token; tokens past max_tokens are
+cut).
+
+    python -m pytest tests/e2e/test_grammar_drafts.py -m e2e -q -s
+    VLLM_PATCH_DISABLE=1 python -m pytest tests/e2e/test_grammar_drafts.py -m e2e -q -s
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+
+from vllm_patch.testing import engine, tiny_model
+
+pytestmark = pytest.mark.e2e
+
+K = 4
+MAX_TOKENS = 40
+DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
+                    "data", "jsonschemabench-dev", "schemas")
+# Real schemas (sorted file names, the first the backend's validator takes).
+NUM_SCHEMAS = 2
+
+
+def _schemas(backend: str) -> list[dict]:
+    files = sorted(glob.glob(os.path.join(DATA, "Github_easy", "*.json")))
+    if not files:
+        pytest.skip("../shared/data/jsonschemabench-dev is missing")
+    out = []
+    for f in files:
+        schema = json.load(open(f))
+        if backend == "xgrammar":
+            from vllm.v1.structured_output.backend_xgrammar import (
+                has_xgrammar_unsupported_json_features)
+
+            if has_xgrammar_unsupported_json_features(schema):
+                continue
+        try:
+            _validate(backend, schema)
+        except Exception:  # noqa: BLE001 - the backend rejects this schema
+            continue
+        out.append(schema)
+        if len(out) == NUM_SCHEMAS:
+            break
+    return out
+
+
+def _validate(backend: str, schema: dict) -> None:
+    import xgrammar as xgr
+
+    if backend == "xgrammar":
+        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    else:
+        import llguidance
+
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False})
+        err = llguidance.LLMatcher.validate_grammar(grammar)
+        if err:
+            raise ValueError(err)
+
+
+def _params(schemas, temperature=0.0):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams as SO
+
+    return [SamplingParams(temperature=temperature, seed=7 + i,
+                           max_tokens=MAX_TOKENS,
+                           structured_outputs=SO(json=s))
+            for i, s in enumerate(schemas)]
+
+
+def _generate(backend: str, schemas, spec: bool, sampled: bool = False):
+    kwargs = {"structured_outputs_config": {
+        "backend": backend, "disable_any_whitespace": True}}
+    if spec:
+        kwargs["speculative_config"] = {
+            "method": "draft_model", "model": str(tiny_model.build_target()),
+            "num_speculative_tokens": K}
+    llm = engine.start_llm(**kwargs)
+    try:
+        before = engine.spec_decode_counts(llm)
+        outs = llm.generate(["{"] * len(schemas), _params(schemas),
+                            use_tqdm=False)
+        spec_counts = engine.counts_delta(engine.spec_decode_counts(llm), before)
+        extra = []
+        if sampled:
+            extra = llm.generate(["{"] * len(schemas),
+                                 _params(schemas, temperature=0.7),
+                                 use_tqdm=False)
+        stats = []
+        if spec:
+            from vllm_patch.v1.spec_decode.grammar_drafts import (
+                grammar_draft_stats)
+
+            stats = llm.collective_rpc(grammar_draft_stats)
+    finally:
+        engine.stop_llm(llm)
+    return outs, spec_counts, extra, stats
+
+
+def _tokens_per_step(outs, spec_counts) -> float:
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = spec_counts["drafts"]
+    steps = drafts + max(0, tokens - spec_counts["accepted"] - drafts)
+    return tokens / max(1, steps)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_grammar_drafts_engine(backend, inproc, patched):
+    if not patched and backend != "xgrammar":
+        pytest.skip("stock: the tokens-per-step failure is shown with xgrammar")
+    schemas = _schemas(backend)
+    assert len(schemas) == NUM_SCHEMAS, "not enough schemas the backend takes"
+    outs, spec, sampled, stats = _generate(backend, schemas, spec=True,
+                                           sampled=patched)
+    per_step = _tokens_per_step(outs, spec)
+    print(f"\nGRAMMAR-DRAFTS {'patched' if patched else 'stock'} {backend} "
+          f"draft_model k={K}: {per_step:.2f} tokens per step "
+          f"(target >= {0.75 * (K + 1):.2f}), spec {spec}, worker {stats}")
+    if not patched:
+        assert per_step < 0.75 * (K + 1), per_step
+        return
+    reference, _, _, _ = _generate(backend, schemas, spec=False)
+    for got, want in zip(outs, reference):
+        assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    assert per_step >= 0.75 * (K + 1), per_step
+    (s,) = stats
+    assert s["active"] == 1 and s["shadows"] == NUM_SCHEMAS * 2, s
+    assert s["shadows_lost"] == 0 and s["positions"] > 0, s
+    import jsonschema
+
+    for out, schema in zip(sampled, schemas):
+        c = out.outputs[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), schema)
+        else:
+            assert c.finish_reason == "length", c.finish_reason
