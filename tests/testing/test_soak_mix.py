@@ -69,6 +69,9 @@ def test_stream_covers_the_production_mix(stream):
             assert len(b["prompt"]) + b["max_tokens"] <= soak.MAX_MODEL_LEN
     # n > 1 only when sampling (vLLM refuses it greedy)
     assert all(b["temperature"] for b in bodies if b.get("n", 1) > 1)
+    # min_tokens <= max_tokens (vLLM refuses more)
+    assert all(e["min_tokens"] <= b["max_tokens"] for b, e in zip(bodies, extra)
+               if "min_tokens" in e)
 
 
 def test_top_k_left_out_with_spec_decoding_unless_asked(schemas):
@@ -127,6 +130,8 @@ def test_rejected_grammar_expects_a_400(backend, schemas):
         if r.rejects(req):
             rejected += 1
             assert soak.judge(req, {"status": 400}, r, s) == []
+            # a streamed request is refused by an error event carrying the 400
+            assert soak.judge(req, {"status": "400-in-stream"}, r, s) == []
             assert soak.judge(req, {"status": 200, "choices": {}}, r, s) == \
                 ["rejected_not_4xx"]
         else:
@@ -135,6 +140,8 @@ def test_rejected_grammar_expects_a_400(backend, schemas):
     assert accepted and (rejected or backend == "guidance")
     assert soak.judge(_choice_request(), {"status": 503}, r, None) == ["http_5xx"]
     assert soak.judge(_choice_request(), {"status": None}, r, None) == ["http_error"]
+    assert soak.judge(_choice_request(), {"status": "stream_error"}, r, None) == \
+        ["stream_error"]
 
 
 def test_text_checks():

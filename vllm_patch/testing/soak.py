@@ -13,6 +13,9 @@ prompts), chat and completions, streaming and not, and clients that hang up
 mid-stream. Concurrency varies between 1 and 32 over the stream.
 
 Checks per request (failure kinds): `http_5xx`, `http_error` (no answer),
+`stream_error` (an error event inside a streamed answer; vLLM refuses a
+streamed request that way, with the 400 in the event, which counts as the
+400 it is),
 `unexpected_4xx` (a request the backend accepts was refused),
 `rejected_not_4xx` (a grammar the backend rejects was served), `finish_<x>`
 (neither stop nor length), `invalid_json` / `invalid_output` (finish stop
@@ -188,7 +191,7 @@ def make_request(seed: int, i: int, schemas: list[tuple[str, dict]],
         if rng.random() < 0.15:
             extra["stop_token_ids"] = [rng.randrange(10, 200)]
         if rng.random() < 0.2:
-            extra["min_tokens"] = rng.choice([1, 4, 8])
+            extra["min_tokens"] = rng.choice([1, 4, 8])  # capped by max_tokens below
     extra["ignore_eos"] = rng.random() < 0.3
     # lengths: prompt of 1 token .. near max_model_len
     size = rng.choices(["small", "mid", "large"], [55, 30, 15])[0]
@@ -201,6 +204,8 @@ def make_request(seed: int, i: int, schemas: list[tuple[str, dict]],
     plen = max(1, min(plen, MAX_MODEL_LEN - max_tokens - 40 if api == "chat"
                       else MAX_MODEL_LEN - max_tokens - 1))
     body["max_tokens"] = max_tokens
+    if "min_tokens" in extra:
+        extra["min_tokens"] = min(extra["min_tokens"], max_tokens)
     ids = _prompt_ids(rng, plen)
     if api == "chat":
         body["messages"] = [{"role": "user", "content": tokenizer().decode(ids)}]
@@ -450,7 +455,10 @@ async def send(client: Any, req: dict) -> dict:
         out["status"] = None
         out["error"] = f"{type(e).__name__}: {e}"[:300]
     except openai.APIError as e:  # an error event inside a 200 stream
-        out["status"] = "stream_error"
+        # vLLM validates a streamed request once the stream has begun: a
+        # refusal comes as an error event carrying the 400 (HTTP status 200)
+        code = (e.body or {}).get("code") if isinstance(e.body, dict) else None
+        out["status"] = "400-in-stream" if code == 400 else "stream_error"
         out["error"] = f"{type(e).__name__}: {e}"[:300]
     out["choices"] = choices
     out["seconds"] = round(time.monotonic() - t0, 3)
@@ -472,6 +480,8 @@ def judge(req: dict, out: dict, replayer: Replayer | None,
         return ["http_error"]
     if status == "stream_error":
         return ["stream_error"]
+    if status == "400-in-stream":
+        status = 400
     if status >= 500:
         return ["http_5xx"]
     if 400 <= status < 500:
@@ -634,7 +644,7 @@ class Launched(Target):
         if self.proc is None or self.proc.poll() is not None:
             return False
         text = self.log_path.read_text(errors="replace")
-        return "restart" not in text.lower()
+        return "restarted (" not in text  # the launcher's progress line
 
     def stop(self) -> None:
         if self.proc is None:
