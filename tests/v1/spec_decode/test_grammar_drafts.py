@@ -1,0 +1,179 @@
+"""Grammar-aware drafting on the real drafter class (vLLM's EagleProposer,
+whose `_sample_draft_tokens` is where each draft position's logits become
+token ids), CPU tensors, a stand-in drafter model whose logits the test
+chooses (every structured row prefers a token the grammar forbids), and the
+shadow grammars compiled by a real scheduler's structured-output manager
+(xgrammar, guidance).
+
+Patched: masked rows never propose a token the grammar forbids; a position
+where the grammar allows one token gets it (also with masking off: forced
+drafts alone); the unstructured row's drafts are bit-identical to stock's
+argmax; after drafting the shadows are back at the committed state and the
+committed grammar was never touched; drafts after the grammar's end are
+not handed over. Stock: the structured rows propose the forbidden tokens.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_patch.v1.spec_decode import grammar_drafts as gd
+
+pytestmark = pytest.mark.scheduler
+
+K = 4
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+          "required": ["ok"], "additionalProperties": False}
+
+
+class _Model:
+    """Stand-in drafter model: the hidden states ARE the logits."""
+
+    def compute_logits(self, hidden_states):
+        return hidden_states.clone()
+
+
+def _drafter(vllm_config):
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    d = EagleProposer.__new__(EagleProposer)
+    d.vllm_config = vllm_config
+    d.model = _Model()
+    d._enable_probabilistic_draft_probs = False
+    d.use_local_argmax_reduction = False
+    d.use_heterogeneous_vocab = False
+    d.parallel_drafting = False
+    return d
+
+
+def _setup(backend):
+    from vllm_patch.testing.harness import Harness
+
+    h = Harness(backend, num_spec_tokens=K, disable_any_whitespace=True)
+    rids = [h.add_request(json=SCHEMA), h.add_request(regex="abc"),
+            h.add_request()]
+    for rid in rids[:2]:
+        h.wait_for_grammar(rid)
+    requests = {rid: SimpleNamespace(
+        sampling_params=h.request(rid).sampling_params, output_token_ids=[])
+        for rid in rids}
+    return h, rids, requests
+
+
+def _draft(h, drafter, rids, requests, bad):
+    """k positions; every row's logits prefer `bad` (row 2: its own
+    random preference), as the drafter would. Returns drafts, logits."""
+    vocab = h.vllm_config.model_config.get_vocab_size()
+    gen = torch.Generator().manual_seed(0)
+    gd.advance(drafter, requests, rids, [[-1]] * len(rids), [False] * len(rids))
+    gd.begin(drafter, len(rids))
+    meta = SimpleNamespace(all_greedy=True)
+    drafts, logits_seen = [], []
+    try:
+        for _ in range(K):
+            logits = torch.randn(len(rids), vocab, generator=gen)
+            logits[:2, bad] = 100.0
+            logits_seen.append(logits.clone())
+            ids, probs = drafter._sample_draft_tokens(logits, meta)
+            assert probs is None
+            drafts.append(ids.tolist())
+    finally:
+        gd.end(drafter)
+    return [list(col) for col in zip(*drafts)], logits_seen
+
+
+def _forced_positions(h, rid, tokens):
+    """Per position: the only token the grammar allows there, or None."""
+    g = h.grammar(rid)
+    words = (h.vllm_config.model_config.get_vocab_size() + 31) // 32
+    out, walked = [], 0
+    for t in tokens:
+        mask = torch.full((1, words), -1, dtype=torch.int32)
+        g.fill_bitmask(mask, 0)
+        allowed = gd.allowed_mask(mask, h.vllm_config.model_config.get_vocab_size())[0]
+        out.append(int(allowed.nonzero()[0, 0]) if int(allowed.sum()) == 1 else None)
+        if not g.accept_tokens(rid, [t]):
+            break
+        walked += 1
+    if walked:
+        g.rollback(walked)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_masked_drafts(backend, patched, monkeypatch):
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    h, rids, requests = _setup(backend)
+    bad = h.tok("x")
+    drafter = _drafter(h.vllm_config)
+    drafts, logits = _draft(h, drafter, rids, requests, bad)
+    # Unstructured row: stock's argmax, bit for bit.
+    assert drafts[2] == [int(l[2].argmax()) for l in logits]
+    valid = {rid: h.grammar(rid).validate_tokens(d) == d
+             for rid, d in zip(rids[:2], drafts[:2])}
+    if not patched:
+        assert not any(valid.values()), drafts  # the forbidden token drafted
+        assert all(d[0] == bad for d in drafts[:2]), drafts
+        return
+    assert all(valid.values()), (valid, drafts)
+    for rid, d in zip(rids[:2], drafts[:2]):
+        for want, got in zip(_forced_positions(h, rid, d), d):
+            assert want is None or want == got, (rid, d)
+    # The regex "abc" walks to its end; the json object is still open.
+    stats = gd.stats(drafter)
+    assert stats["positions"] > 0 and stats["forced"] > 0, stats
+    # Shadows are back at the committed state: the same drafts again.
+    again, _ = _draft(h, drafter, rids, requests, bad)
+    assert again[:2] == drafts[:2]
+    # The committed grammars were never advanced.
+    for rid, d in zip(rids[:2], drafts[:2]):
+        assert h.grammar(rid).validate_tokens(d) == d
+
+
+def test_forced_drafts_without_masking(patched, monkeypatch):
+    monkeypatch.setenv("VLLM_PATCH_MASKED_DRAFTS", "0")
+    monkeypatch.setenv("VLLM_PATCH_FORCED_DRAFTS", "1")
+    h, rids, requests = _setup("xgrammar")
+    bad = h.tok("x")
+    drafter = _drafter(h.vllm_config)
+    drafts, logits = _draft(h, drafter, rids, requests, bad)
+    assert drafts[2] == [int(l[2].argmax()) for l in logits]
+    # regex "abc": a, b, c are each the only token allowed (then stop
+    # tokens: EOS and the generation-config EOS, two, so not forced).
+    a, b, c = h.tok("a"), h.tok("b"), h.tok("c")
+    if not patched:
+        assert drafts[1][0] == bad
+        return
+    assert drafts[1][:3] == [a, b, c], drafts
+    # json row: its forced positions get their token, the others keep the
+    # drafter's choice until it leaves the grammar.
+    forced = _forced_positions(h, rids[0], drafts[0])
+    for want, got in zip(forced, drafts[0]):
+        assert want is None or want == got
+    s = gd.stats(drafter)
+    assert s["forced_changed"] > 0 and s["masked_changed"] == 0, s
+
+
+@pytest.mark.patched_only
+def test_switches_off_is_stock(patched, monkeypatch):
+    """Control: both switches off, the patched drafter drafts as stock."""
+    monkeypatch.setenv("VLLM_PATCH_MASKED_DRAFTS", "0")
+    monkeypatch.setenv("VLLM_PATCH_FORCED_DRAFTS", "0")
+    h, rids, requests = _setup("xgrammar")
+    bad = h.tok("x")
+    drafter = _drafter(h.vllm_config)
+    drafts, _ = _draft(h, drafter, rids, requests, bad)
+    assert all(d[0] == bad for d in drafts[:2]), drafts
+    assert gd.stats(drafter)["active"] == 0
+
+
+@pytest.mark.patched_only
+def test_drafts_after_grammar_end_not_handed_over():
+    out = SimpleNamespace(req_ids=["a", "b"], draft_token_ids=[[1, 2, 3], [4, 5, 6]])
+    stats = {"drafts_trimmed": 0}
+    gd.trim_drafts(out, {"a": 1}, stats)
+    assert out.draft_token_ids == [[1], [4, 5, 6]] and stats["drafts_trimmed"] == 2
