@@ -83,6 +83,10 @@ DIGESTS: dict[str, dict[str, str]] = {
     _V2 + "sample": _both("78982d0f9f603fcc"),
     _V2 + "add_requests": _both("8321187d017efc99"),
     _V2 + "take_draft_token_ids": _both("92d8ad07fc62c092"),
+    "vllm.v1.worker.gpu.spec_decode.utils:DraftTokensHandler.set_draft_tokens":
+        _both("a53ba6ee43237839"),
+    "vllm.v1.worker.gpu.spec_decode.utils:DraftTokensHandler.get_draft_tokens":
+        _both("1a3b26ad75016e0e"),
 }
 
 

@@ -46,23 +46,30 @@ GUARANTEES: dict[str, str] = {
 # claims more than is enforced. Keep in step with the issue notes.
 KNOWN_LIMITS: dict[str, tuple[str, ...]] = {
     "G1": (
-        "with pipeline parallelism + async scheduling + speculative decoding, "
-        "a structured request can be handed the drafts of another step "
-        "(vLLM issue #54437): not fixed, it needs per-step draft snapshots on "
-        "the worker (cf. vLLM PR #56802) and cannot run on the CPU build",
+        "drafts of the right step with pipeline parallelism + async "
+        "scheduling + speculative decoding (Model Runner V2; vLLM issue "
+        "#54437): tested with the real scheduler and vLLM's own draft "
+        "hand-over class in an emulated engine loop, not in a real "
+        "pipeline-parallel engine (that needs two GPUs: "
+        "scripts/validate_gpu.py); as in stock, a structured request that "
+        "skips a step it was eligible for gets no drafts for its next step",
     ),
     "G2": (
         "tested with the xgrammar, guidance and outlines backends; "
         "lm-format-enforcer is not tested",
     ),
     "G3": (
-        "the drafter is skipped only for EAGLE / MTP / draft_model / DFlash "
-        "/ Gemma4 proposers, and only in steps where every request of the "
+        "the drafter is skipped only in steps where every request of the "
         "batch has ended or ends; in a batch where others go on it still runs "
-        "over the ended requests (their drafts are dropped, no compute saved); "
-        "ngram (CPU or GPU), suffix, medusa, extract_hidden_states and custom "
-        "proposers, and pipeline parallel, keep drafting; an end by "
-        "max_tokens is not predicted",
+        "over the ended requests (their drafts are dropped, no compute "
+        "saved); an end by max_tokens is not predicted",
+        "V1 runner: only the EAGLE / MTP / draft_model / DFlash / Gemma4 "
+        "proposers are skipped; ngram (CPU or GPU), suffix, medusa, "
+        "extract_hidden_states and custom proposers, and pipeline parallel, "
+        "keep drafting",
+        "Model Runner V2: any of its speculators is skipped, except with "
+        "pipeline or data parallelism (the other ranks run it in step), "
+        "where the drafts of ended requests are still dropped",
     ),
     "G4": (
         "the KV load overlaps grammar compilation only for connectors that "

@@ -236,6 +236,23 @@ def _make_take_draft_token_ids(original: Any) -> Any:
     return take_draft_token_ids
 
 
+def _make_execute_model(original: Any) -> Any:
+    """G1: tells the draft handler which scheduler step runs, so the drafts
+    this step's sample_tokens proposes are kept under it
+    (vllm_patch.v1.worker.gpu.spec_decode.utils)."""
+    from vllm_patch.v1.worker.gpu.spec_decode.utils import note_step
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any,
+                      **kwargs: Any) -> Any:
+        handler = self.__dict__.get("draft_tokens_handler")
+        if handler is not None:
+            dummy = bool(kwargs.get("dummy_run", args[1] if len(args) > 1 else False))
+            note_step(handler, scheduler_output, dummy)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return execute_model
+
+
 _V2 = "vllm.v1.worker.gpu.model_runner:GPUModelRunner."
 _PIN_SAMPLE_TOKENS = pin(
     _V2 + "sample_tokens",
@@ -325,5 +342,32 @@ PATCHES: list[Patch] = [
                   "draft list per request)"),
               pin("vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids",
                   "an empty draft list leaves the request without spec tokens"),),
+    ),
+    Patch(
+        name="g1-v2-step-drafts-step",
+        guarantee="G1",
+        target=_V2 + "execute_model",
+        versions=("0.32", "0.33"),
+        signature=("self", "scheduler_output", "intermediate_tensors",
+                   "dummy_run", "skip_attn_for_dummy_run", "is_profile",
+                   "context_len", "valid_dummy_state_slots",
+                   "randomize_inputs"),
+        make=_make_execute_model,
+        why=("with pipeline parallelism + async scheduling, Model Runner V2 "
+             "hands the scheduler drafts through one slot that every step "
+             "overwrites; keying them by step needs the step on the worker"),
+        how=("before the stock method, notes the scheduler's step stamp of "
+             "the scheduler output (none for a dummy run) on the draft "
+             "handler; that step's sample_tokens records its drafts under it"),
+        upstream="vLLM issue #54437; vLLM PR #56802 (open) keys draft "
+                 "snapshots by step",
+        remove_when="vLLM keys drafts by scheduler step",
+        required=False,
+        without=("with pipeline parallelism + async scheduling on Model "
+                 "Runner V2, structured requests get no validated drafts"),
+        pins=(pin(_V2 + "sample_tokens",
+                  "the step's drafts are handed to DraftTokensHandler."
+                  "set_draft_tokens in the sample_tokens that follows this "
+                  "step's execute_model"),),
     ),
 ]

@@ -22,8 +22,9 @@ never raised). The safety nets (`SAFETY_NET`) fire only when something
 bypassed it: a bitmask, or drafts validated, for a request whose earlier step
 is unapplied; corrected and warned about, or raised as `StaleGrammarError`
 under `VLLM_PATCH_STRICT_RUNTIME=1`. With no older step in flight every check
-is a length test or one set intersection. Drafts of the wrong batch under PP
-+ async (a worker-side slot) are not handled here.
+is a length test or one set intersection. Drafts of the right step under PP
++ async (Model Runner V2's one draft slot): g1_step_drafts, called from the
+wrappers here.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from vllm.logger import init_logger
 
 from vllm_patch import envs
 from vllm_patch.patching import Patch
+from vllm_patch.v1.core.sched.scheduler import g1_step_drafts
 
 logger = init_logger(__name__)
 
@@ -235,6 +237,7 @@ def _make_after_schedule(original):
                 "vllm_patch G1: %d unprocessed steps; update_from_output is "
                 "not tracked, tracking reset", _MAX_DEPTH, scope="process")
         fifo.append(_Entry(id(scheduler_output), live))
+        g1_step_drafts.on_schedule(self, scheduler_output)
 
     return _update_after_schedule
 
@@ -434,6 +437,11 @@ def _make_update_drafts(original):
 def _make_update_drafts_in_output(original):
     def update_draft_token_ids_in_output(self, draft_token_ids, scheduler_output):
         st = self.__dict__.get(_STATE_ATTR)
+        # Drafts of the step each request's grammar has applied, when the
+        # worker hands them by step (Model Runner V2, pipeline parallel).
+        draft_token_ids = g1_step_drafts.rekey(
+            self, draft_token_ids, scheduler_output,
+            None if st is None else st.unapplied)
         i = -1 if st is None else st.find(id(scheduler_output))
         if i <= 0:
             return original(self, draft_token_ids, scheduler_output)
@@ -587,7 +595,8 @@ PATCHES: list[Patch] = [
            "steps of a request are unapplied",
            "push one FIFO entry per step with the structured requests it "
            "advances; async: mark the step pending if one of them is in the "
-           "oldest in-flight step",
+           "oldest in-flight step; stamp the step number on the scheduler "
+           "output for the worker's per-step drafts (g1_step_drafts)",
            pins=(pin(_SCHED + "_update_after_schedule",
                      "sets request.is_prefill_chunk and scheduler_output"
                      ".has_structured_output_requests for every scheduled "
@@ -629,8 +638,13 @@ PATCHES: list[Patch] = [
     _patch("g1-drafts-async", "update_draft_token_ids_in_output",
            ("draft_token_ids", "scheduler_output"),
            _make_update_drafts_in_output,
-           "deferred draft validation must not run on a lagging grammar",
-           "leave the placeholders of such requests at -1",
+           "deferred draft validation must not run on a lagging grammar, "
+           "nor with the drafts of another step (pipeline parallel + async: "
+           "the worker's one draft slot holds the newest step's, vLLM issue "
+           "#54437)",
+           "leave the placeholders of such requests at -1; when Model Runner "
+           "V2 hands drafts by step, give each request the drafts of the "
+           "step its grammar has applied (g1_step_drafts)",
            pins=(pin(_SCHED + "update_draft_token_ids_in_output",
                      "a request absent from draft_token_ids keeps its -1 "
                      "placeholders in scheduled_spec_decode_tokens (no "
