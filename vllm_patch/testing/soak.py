@@ -242,6 +242,11 @@ class Replayer:
                               StructuredOutputsConfig(backend=backend,
                                                       disable_any_whitespace=True))
         self.name = backend
+        # the replay refuses tokens on purpose: the backends' per-token error
+        # lines are not news here
+        import logging
+
+        logging.getLogger("vllm.v1.structured_output").setLevel(logging.CRITICAL)
         self.tok = StructuredOutputManager(self.cfg).tokenizer
         vocab = mc.get_vocab_size()
         if backend == "xgrammar":
