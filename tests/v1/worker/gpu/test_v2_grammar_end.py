@@ -153,11 +153,15 @@ def _runner(cpu_streams_unused=None):
     runner = object.__new__(cls)
     runner.__dict__.update(
         draft_tokens_handler=handler(torch.device("cpu")),
-        speculator=_Speculator(), use_async_scheduling=True,
+        speculator=_Speculator(),
         num_speculative_steps=K, device=torch.device("cpu"),
         parallel_config=SimpleNamespace(pipeline_parallel_size=1,
                                         data_parallel_size=1),
-        vllm_config=SimpleNamespace(structured_outputs_config=None),
+        # Async scheduling: V2 has no use_async_scheduling attribute (the V1
+        # runner's); its scheduler config says it.
+        vllm_config=SimpleNamespace(
+            structured_outputs_config=None,
+            scheduler_config=SimpleNamespace(async_scheduling=True)),
         # V2's sample_tokens decorator steps the expert load balancer.
         eplb=SimpleNamespace(step=lambda **kwargs: None))
     return runner
@@ -242,4 +246,7 @@ def test_v2_no_drafts_after_grammar_end(patched, cpu_streams):
     out = _step(runner, [t, n], None, [[a], [a]], [0, 0])
     assert runner.speculator.calls == 0
     assert draft_skip_stats(runner)["token_reads"] == reads
+    # The follow-up step is expected under async scheduling: not counted as
+    # a misprediction (it was, when the depth was read from an attribute V2
+    # does not have).
     assert draft_skip_stats(runner)["mispredicted"] == 0

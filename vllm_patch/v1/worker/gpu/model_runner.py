@@ -136,6 +136,22 @@ def _live_ended(runner: Any, batch: list[str], depth: int) -> set[str]:
     return live
 
 
+def _in_flight_depth(runner: Any) -> int:
+    """Runner steps after a request's end in which it may still be in a
+    batch (scheduled before the scheduler saw the end): async scheduling,
+    the next step (pipeline parallel: the request's next step comes pp steps
+    later, scheduled before the oldest is processed); sync with a pipeline's
+    batch queue, up to pp - 1. V2 has no use_async_scheduling attribute (the
+    V1 runner's): the scheduler config says it."""
+    sc = getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)
+    async_ = getattr(sc, "async_scheduling", None)
+    if async_ is None:
+        async_ = getattr(runner, "use_async_scheduling", False)
+    pc = getattr(runner, "parallel_config", None)
+    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    return pp if async_ else pp - 1
+
+
 def ending_requests(runner: Any, input_batch: Any, grammar_output: Any,
                     sampled_tokens: Any, num_sampled: Any,
                     ) -> tuple[set[str], set[str], bool]:
@@ -147,8 +163,7 @@ def ending_requests(runner: Any, input_batch: Any, grammar_output: Any,
     batch = list(input_batch.req_ids)
     if not batch or not getattr(input_batch, "has_structured_output_reqs", True):
         return set(), set(), False
-    depth = 1 if getattr(runner, "use_async_scheduling", False) else 0
-    ended = _live_ended(runner, batch, depth)
+    ended = _live_ended(runner, batch, _in_flight_depth(runner))
     stops: dict = _ctx(runner).get(_STOPS_ATTR, {})
     in_grammar = set(grammar_output.structured_output_request_ids
                      if grammar_output is not None else ())
