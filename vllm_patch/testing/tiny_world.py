@@ -65,14 +65,14 @@ WORLD_CONFIG = dict(
 TARGET_CONFIG = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-    seed=0, steps=220, batch_tokens=3072, lr=2e-3, text_share=0.15,
+    seed=0, steps=120, batch_tokens=2048, lr=3e-3, text_share=0.15,
 )
 DRAFT_CONFIG = dict(
     hidden_size=128, intermediate_size=384, num_hidden_layers=1,
     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-    seed=1, steps=220, batch_tokens=3072, lr=3e-3, text_share=0.15,
+    seed=1, steps=120, batch_tokens=2048, lr=3e-3, text_share=0.15,
 )
-EAGLE_CONFIG = dict(num_hidden_layers=1, seed=2, steps=150, batch_tokens=3072,
+EAGLE_CONFIG = dict(num_hidden_layers=1, seed=2, steps=60, batch_tokens=2048,
                     lr=3e-3, feature_weight=1.0, text_share=0.15)
 
 
@@ -272,7 +272,7 @@ def _train_lm(out: Path, tok_dir: Path, p: dict) -> dict:
         opt.step()
         sched.step()
         seen += int(mask.sum())
-        if step % 50 == 0 or step == p["steps"] - 1:
+        if step % 10 == 0 or step == p["steps"] - 1:
             log.append((step, round(loss.item(), 3)))
             print(f"[{out.name[:24]}] step {step} loss {loss.item():.3f} "
                   f"{seen / (time.time() - t0):.0f} tok/s", flush=True)
@@ -344,7 +344,7 @@ def _distil_eagle(head, target_dir: Path, p: dict) -> dict:
         opt.step()
         sched.step()
         top1 = (logits[m].argmax(-1) == greedy[:, 1:][m]).float().mean().item()
-        if step % 50 == 0 or step == p["steps"] - 1:
+        if step % 10 == 0 or step == p["steps"] - 1:
             print(f"[eagle] step {step} loss {loss.item():.3f} top1 {top1:.3f}", flush=True)
     return {"train_seconds": round(time.time() - t0, 1), "last_batch_top1": round(top1, 3)}
 
@@ -392,30 +392,38 @@ def _complete(name: str, params: dict) -> Path | None:
     return path if (path / ".complete").exists() else None
 
 
-def cached_world() -> dict[str, Path] | None:
-    """The built world's folders, or None when any part is not built yet
-    (never builds: building takes minutes)."""
+def cached_world(need: tuple[str, ...] = ("target", "draft", "eagle"),
+                 ) -> dict[str, Path] | None:
+    """The built world's folders (tokenizer and the parts in `need`), or None
+    when one of them is not built yet (never builds: building takes minutes)."""
+    world: dict[str, Path] = {}
     tok = _complete("world-tokenizer", dict(WORLD_CONFIG))
     if tok is None:
         return None
+    world["tokenizer"] = tok
     target = _complete("world-target", dict(TARGET_CONFIG, tokenizer=tok.name))
     draft = _complete("world-draft", dict(DRAFT_CONFIG, tokenizer=tok.name))
-    if target is None or draft is None:
+    eagle = (_complete("world-eagle", dict(EAGLE_CONFIG, target=target.name))
+             if target is not None else None)
+    for name, path in (("target", target), ("draft", draft), ("eagle", eagle)):
+        if path is not None:
+            world[name] = path
+    if any(n not in world for n in set(need) | {"target"}):
         return None
-    eagle = _complete("world-eagle", dict(EAGLE_CONFIG, target=target.name))
-    if eagle is None:
-        return None
-    return {"tokenizer": tok, "target": target, "draft": draft, "eagle": eagle}
+    return world
 
 
 # ----------------------------------------------------------------- figures
 
 def forced_share(tokenizer_dir: Path, schema: Any, token_ids: list[int],
-                 ) -> tuple[int, int] | None:
-    """(forced, total): of the output tokens `token_ids`, how many were the
-    only token the grammar allowed at their position (xgrammar's matcher,
-    compact JSON as the engine sends it). None when the grammar rejects one
-    of the tokens (the output does not follow the grammar)."""
+                 ) -> tuple[int, int, int] | None:
+    """(forced, in_forced_span, total) over the output tokens `token_ids`,
+    with xgrammar's matcher (compact JSON, as the engine compiles it):
+    forced = the grammar allowed exactly that one token at its position;
+    in_forced_span = the token's text lies inside the grammar's forced
+    continuation there (xgrammar's jump-forward string: the text no choice
+    can change, as MaskBench counts forced tokens). None when the grammar
+    rejects one of the tokens (the output does not follow the grammar)."""
     import xgrammar as xgr
 
     info, compiler = _xgr(str(tokenizer_dir))
@@ -423,15 +431,18 @@ def forced_share(tokenizer_dir: Path, schema: Any, token_ids: list[int],
                                            separators=(",", ":"))
     matcher = xgr.GrammarMatcher(compiled)
     mask = xgr.allocate_token_bitmask(1, info.vocab_size)
-    forced = total = 0
+    vocab = _XGR[str(tokenizer_dir)][2]
+    forced = span = total = 0
     for t in token_ids:
         matcher.fill_next_token_bitmask(mask)
-        allowed = _popcount(mask)
         total += 1
-        forced += allowed == 1
+        forced += _popcount(mask) == 1
+        text = vocab[t] if t < len(vocab) else b""
+        if text and matcher.find_jump_forward_string().encode().startswith(text):
+            span += 1
         if not matcher.accept_token(t):
             return None
-    return forced, total
+    return forced, span, total
 
 
 _XGR: dict = {}
@@ -446,8 +457,10 @@ def _xgr(path: str):
         tok = AutoTokenizer.from_pretrained(path)
         info = xgr.TokenizerInfo.from_huggingface(
             tok, vocab_size=len(tok), stop_token_ids=[EOS, IM_END])
-        _XGR[path] = (info, xgr.GrammarCompiler(info))
-    return _XGR[path]
+        vocab = [bytes(v) if isinstance(v, (bytes, bytearray)) else str(v).encode()
+                 for v in info.decoded_vocab]
+        _XGR[path] = (info, xgr.GrammarCompiler(info), vocab)
+    return _XGR[path][:2]
 
 
 def _popcount(mask) -> int:
@@ -464,7 +477,7 @@ def forced_share_report(tokenizer_dir: Path) -> dict:
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     train, held = maskbench_split(WORLD_CONFIG["holdout_every"])
-    forced = total = instances = rejected = 0
+    forced = span = total = instances = rejected = 0
     for e in train + held:
         for v in e["valid"]:
             ids = tok(compact(v), add_special_tokens=False)["input_ids"] + [IM_END]
@@ -475,14 +488,15 @@ def forced_share_report(tokenizer_dir: Path) -> dict:
             if r is None:
                 rejected += 1
                 continue
-            forced += r[0]
-            total += r[1]
+            forced, span, total = forced + r[0], span + r[1], total + r[2]
             instances += 1
     return {"instances": instances, "skipped": rejected, "tokens": total,
-            "forced": forced, "share": round(forced / max(total, 1), 4)}
+            "single_allowed": forced, "in_forced_span": span,
+            "single_allowed_share": round(forced / max(total, 1), 4),
+            "forced_span_share": round(span / max(total, 1), 4)}
 
 
-def held_out_report(world: dict[str, Path], limit: int = 60, max_new: int = 256) -> dict:
+def held_out_report(world: dict[str, Path], limit: int = 30, max_new: int = 192) -> dict:
     """How the target behaves unconstrained on held-out schemas (greedy, HF
     generate): share of outputs that parse as JSON and that follow the
     schema; and the forced-token share of the valid MaskBench instances."""
@@ -543,8 +557,8 @@ def vllm_smoke(world: dict[str, Path]) -> list[str]:
                              structured_outputs=StructuredOutputsParams(json=schema)),
               SamplingParams(max_tokens=64, temperature=0.0),
               SamplingParams(max_tokens=64, temperature=0.7, seed=1)]
-        prompts = [prompt_for_schema(schema), prompt_for_text("The license"),
-                   prompt_for_schema(schema)]
+        prompts = ["<s>" + prompt_for_schema(schema), "<s>" + prompt_for_text("The license"),
+                   "<s>" + prompt_for_schema(schema)]  # the tokenizer adds no BOS
         outs = llm.generate(prompts, sp)
         return [o.outputs[0].text for o in outs]
     finally:
