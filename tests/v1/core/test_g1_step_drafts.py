@@ -240,3 +240,25 @@ def test_step_reaches_the_worker_and_drafts_come_back_by_step(cpu_streams):
     got = pickle.loads(pickle.dumps(handler.get_draft_tokens()))
     assert got.req_ids == [rid] and got.draft_token_ids == [[7, 8]]
     assert got.by_step == {step: ([rid], [[5, 6]])}
+
+
+@pytest.mark.patched_only
+def test_a_resumed_request_has_no_previous_step():
+    """After preemption the worker rebuilds the request without drafts: its
+    first step after resuming takes no drafts of a step before it."""
+    import time
+
+    from vllm_patch.v1.core.sched.scheduler import g1_step_drafts
+
+    h = Harness("xgrammar", async_scheduling=False, num_spec_tokens=K)
+    rid = h.add_request([h.tok(c) for c in "xyzx"], regex=g1.REGEX,
+                        ignore_eos=True, max_tokens=8)
+    h.step({rid: [h.tok("a")]})
+    h.step({rid: [h.tok("b")]})
+    assert g1_step_drafts.previous_step(h.scheduler, rid) is not None
+    req = h.request(rid)
+    h.scheduler.running.remove(req)
+    h.scheduler._preempt_request(req, time.monotonic())  # noqa: SLF001
+    h.schedule()
+    assert h.request(rid).num_preemptions == 1
+    assert g1_step_drafts.previous_step(h.scheduler, rid) is None

@@ -77,13 +77,21 @@ def on_schedule(scheduler: Any, scheduler_output: Any) -> None:
     launched = st.launched
     for rid in scheduler_output.finished_req_ids or ():
         launched.pop(rid, None)
+    # Preempted: the worker drops its state (drafts too); a request that
+    # (re)starts has no drafts of an earlier step on the worker.
+    for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        launched.pop(rid, None)
     if scheduler_output.has_structured_output_requests:
+        restart = {n.req_id for n in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        restart.update(getattr(cached, "resumed_req_ids", None) or ())
         reqs = scheduler.requests
         for rid in scheduler_output.num_scheduled_tokens:
             req = reqs.get(rid)
             if req is not None and req.structured_output_request is not None:
                 got = launched.get(rid)
-                launched[rid] = (None if got is None else got[1], step)
+                launched[rid] = (None if got is None or rid in restart
+                                 else got[1], step)
 
 
 def rekey(scheduler: Any, draft_token_ids: Any, scheduler_output: Any,
