@@ -30,6 +30,7 @@ def _status(args: argparse.Namespace) -> int:
         "other_patches": others,
         "module_errors": {m: err for m, (_, err)
                           in patching.REGISTRY.module_errors.items()},
+        "features": _features(settings),
     }
     if args.json:
         json.dump(report, sys.stdout, indent=2)
@@ -59,11 +60,22 @@ def _status(args: argparse.Namespace) -> int:
                 print(f"{'':<20}limit: {limit}")
         for p in row["patches"]:
             _print_patch(p, args.verbose)
+    for f in report["features"]:
+        print(f"grammar-aware drafting, {f['feature']}: {f['status']}"
+              + (f" ({f['reason']})" if f["reason"] else ""))
     for p in others:
         _print_patch(p, args.verbose, prefix=f"[{p['guarantee']}] ")
     for module, err in report["module_errors"].items():
         print(f"patch module {module} failed to import: {err}")
     return 0
+
+
+def _features(settings) -> list[dict]:
+    """Status of the package's optional features (on / off by switch / not
+    active and why)."""
+    from vllm_patch.v1.spec_decode.grammar_drafts import feature_status
+
+    return feature_status(settings)
 
 
 def _print_patch(p: dict, verbose: bool, prefix: str = "") -> None:

@@ -422,8 +422,8 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
             status, why = "not active", "; ".join(failed) or "not registered"
         else:
             status, why = "on", (
-                "EAGLE / draft-model drafters, one in-process worker "
-                "(multiprocess workers: off, logged); not with a reasoning "
-                "parser")
+                "with EAGLE / draft-model drafters and one in-process "
+                "worker; multiprocess workers: off, said in the log; off "
+                "with a reasoning parser")
         rows.append({"feature": feature, "status": status, "reason": why})
     return rows
