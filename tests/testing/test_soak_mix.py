@@ -201,3 +201,26 @@ def test_diff_table(tmp_path):
     text = soak.format_diff(d)
     assert "patched-only failures (defects): 1" in text and "repro: chat" in text
     assert soak.main(["diff", str(tmp_path / "s"), str(tmp_path / "p")]) == 1
+
+
+def test_invalid_json_the_grammar_admits_is_told_apart():
+    """xgrammar compiles a `required` next to `anyOf` loosely: `{}` is the
+    grammar's (every token accepted, ended on a stop token) but not the
+    schema's (found by the soak: JSONSchemaBench Github_trivial/o6376)."""
+    from vllm_patch.testing import tiny_model
+
+    schema = {"anyOf": [{"properties": {"a": {"type": "string"}},
+                         "additionalProperties": False},
+                        {"properties": {"b": {"type": "string"}},
+                         "additionalProperties": False}],
+              "required": ["a"], "type": "object"}
+    r = soak.Replayer("xgrammar")
+    req = {"id": "t-2", "kind": "schema", "api": "completions", "spec": "x",
+           "disconnect": False,
+           "body": {"max_tokens": 16, "extra_body": {"structured_outputs": {"json": schema}}}}
+    ids = r.tok.encode("{}", add_special_tokens=False) + [tiny_model.EOS]
+    out = {0: {"text": "{}", "ids": ids, "finish": "stop", "lp_rows": 0, "lp_top": 0}}
+    assert soak.check_choices(req, out, r, schema) == ["schema_looser_than_grammar"]
+    bad = r.tok.encode('{"c', add_special_tokens=False)
+    out[0].update(text='{"c', ids=bad)
+    assert "invalid_json" in soak.check_choices(req, out, r, schema)

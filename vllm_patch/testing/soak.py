@@ -20,7 +20,9 @@ streamed request that way, with the 400 in the event, which counts as the
 `rejected_not_4xx` (a grammar the backend rejects was served), `finish_<x>`
 (neither stop nor length), `invalid_json` / `invalid_output` (finish stop
 but the text does not parse and validate against its schema / match its
-regex or choice), `post_grammar` (tokens after the grammar's end, found by
+regex or choice), `schema_looser_than_grammar` (invalid against its schema
+although the replay accepts every token and the end: the backend's grammar
+admits what the schema refuses), `post_grammar` (tokens after the grammar's end, found by
 replaying the output token ids through the request's own backend, xgrammar
 or guidance, on the tiny model's tokenizer), `grammar_rejected` (a token
 the grammar does not accept), `logprobs_misaligned` (logprob rows !=
@@ -394,14 +396,20 @@ def check_choices(req: dict, choices: dict[int, dict], replayer: Replayer | None
             if rows != len(ids) or top > k + 1:
                 fails.append("logprobs_misaligned")
         structured = req["kind"] != "plain"
+        grammar_ok = False
         if structured and replayer is not None and ids:
             post, bad = replayer.replay(req, ids)
             if post:
                 fails.append("post_grammar")
             if bad is not None:
                 fails.append("grammar_rejected")
+            grammar_ok = not post and bad is None and ids[-1] in replayer.stop_ids
         if structured and fin == "stop":
             k = check_text(req, c["text"], schema)
+            if k == "invalid_json" and grammar_ok and req["kind"] == "schema":
+                # every token was the grammar's and it ended there: the
+                # backend's grammar admits JSON the schema refuses
+                k = "schema_looser_than_grammar"
             if k:
                 fails.append(k)
     return sorted(set(fails))
