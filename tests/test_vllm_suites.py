@@ -134,3 +134,34 @@ def test_failure_through_a_wrapper_that_stock_raises_too_is_not_ours():
         "d": dict(err, in_vllm_patch=False),               # no frame of ours
     }
     assert vllm_suites.raised_in_vllm_patch(stock, patched) == (["b", "c"], ["a"])
+
+
+@pytest.mark.unit
+def test_a_test_pytest_stops_inside_is_recorded_as_an_error_not_a_pass(tmp_path):
+    """vLLM's mooncake tests once made pytest raise an INTERNALERROR while it
+    formatted a failure: the session stopped inside that test, and the
+    outcome file must not call it passed."""
+    import json
+    import sys
+
+    (tmp_path / "conftest.py").write_text(
+        "import pytest\n"
+        "@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_makereport(item, call):\n"
+        "    if item.name == 'test_b' and call.when == 'call':\n"
+        "        raise RuntimeError('reporting blew up')\n"
+        "    yield\n")
+    (tmp_path / "test_x.py").write_text(
+        "def test_a():\n    pass\n\ndef test_b():\n    assert 0\n\n"
+        "def test_c():\n    pass\n")
+    out = tmp_path / "outcomes.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "vllm_patch.testing.pytest_plugin",
+         "-p", "no:cacheprovider", f"--vllm-patch-outcomes={out}", "-q", "test_x.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "INTERNALERROR" in proc.stdout + proc.stderr, proc.stdout[-2000:]
+    rows = {json.loads(line)["nodeid"]: json.loads(line) for line in out.read_text().splitlines()}
+    assert rows["test_x.py::test_a"]["outcome"] == "passed"
+    assert rows["test_x.py::test_b"]["outcome"] == "error"
+    assert "no report of the test's call" in rows["test_x.py::test_b"]["crash"]
+    assert "test_x.py::test_c" not in rows  # never ran

@@ -121,6 +121,8 @@ class _Outcomes:
         self.pending: dict[str, str] = {}
 
         self.crash: dict[str, dict] = {}
+        # Tests whose outcome was reported (call, or a skip/failure earlier).
+        self.reported: set[str] = set()
 
     def write(self, nodeid: str, outcome: str) -> None:
         import json
@@ -163,6 +165,8 @@ class _Outcomes:
         elif report.passed and report.when == "call" and hasattr(report, "wasxfail"):
             outcome = "xpassed"
         self.pending[report.nodeid] = outcome
+        if report.when == "call" or report.skipped or report.failed:
+            self.reported.add(report.nodeid)
         if report.when == "teardown":
             self.write(report.nodeid, self.pending.pop(report.nodeid))
 
@@ -172,6 +176,16 @@ class _Outcomes:
 
     def pytest_sessionfinish(self) -> None:
         for nodeid, outcome in self.pending.items():  # teardown never ran
+            if nodeid not in self.reported:
+                # Set up, then no report of its call: pytest stopped inside
+                # the test (an INTERNALERROR while reporting it, or the
+                # session was interrupted). Not a pass.
+                outcome = "error"
+                self.crash.setdefault(nodeid, {
+                    "source": "", "in_vllm_patch": False,
+                    "crash": "no report of the test's call: the pytest "
+                             "session stopped inside it (INTERNALERROR or "
+                             "interrupted)"})
             self.write(nodeid, outcome)
         self.pending.clear()
         self.fh.close()

@@ -480,6 +480,11 @@ def run_pytest(root: Path, paths: list[str], mode: str, out_dir: Path,
                     f"{now - start:.0f} s")
         proc.wait()
     elapsed = time.monotonic() - start
+    if "INTERNALERROR>" in log.read_text(errors="replace"):
+        # pytest stopped the session: tests after the one it was reporting
+        # did not run, and that one is recorded as an error (not a pass).
+        say(f"{label} {mode}: pytest stopped with an INTERNALERROR: this "
+            f"run is incomplete (see {log})")
     return _outcomes(report), elapsed
 
 
