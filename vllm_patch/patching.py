@@ -46,13 +46,9 @@ GUARANTEES: dict[str, str] = {
 # claims more than is enforced. Keep in step with the issue notes.
 KNOWN_LIMITS: dict[str, tuple[str, ...]] = {
     "G1": (
-        "drafts of the right step with pipeline parallelism + async "
-        "scheduling + speculative decoding (Model Runner V2; vLLM issue "
-        "#54437): tested with the real scheduler and vLLM's own draft "
-        "hand-over class in an emulated engine loop, not in a real "
-        "pipeline-parallel engine (that needs two GPUs: "
-        "scripts/validate_gpu.py); as in stock, a structured request that "
-        "skips a step it was eligible for gets no drafts for its next step",
+        "async scheduling with speculative decoding: as in stock, a "
+        "structured request that is not scheduled in the step it was "
+        "eligible for gets no drafts for its next step (one token there)",
     ),
     "G2": (
         "tested with the xgrammar, guidance and outlines backends; "
@@ -789,6 +785,11 @@ RUNNER_LIMITS: dict[str, dict[str, tuple[str, ...]]] = {
                "+ async scheduling (it picks Model Runner V2 or refuses)",),
     },
     "V2": {
+        "G1": ("drafts of the right step with pipeline parallelism + async "
+               "scheduling (vLLM issue #54437): tested with the real "
+               "scheduler and vLLM's own draft hand-over class in an "
+               "emulated engine loop, not in a real pipeline-parallel engine "
+               "(that needs two GPUs: scripts/validate_gpu.py)",),
         "G3": (_V2_KEEPS_DRAFTING,),
     },
 }
