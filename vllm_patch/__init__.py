@@ -38,6 +38,7 @@ PATCH_MODULES: dict[str, tuple[str, ...]] = {
     "vllm_patch.v1.worker.gpu.spec_decode.utils": ("G1",),
     "vllm_patch.distributed.kv_transfer.kv_connector.v1.base": ("G4",),
     "vllm_patch.utils.cpu_triton_utils": ("package",),
+    "vllm_patch.v1.sample.ops.topk_topp_sampler": ("package",),
     "vllm_patch.distributed.kv_transfer.kv_connector.v1.example_connector": ("package",),
 }
 
