@@ -17,8 +17,8 @@ with drafts (the engine's draft count) + the tokens not made by those steps
 (each yields its accepted drafts plus one token; tokens past max_tokens are
 cut).
 
-    python -m pytest tests/e2e/test_grammar_drafts.py -m e2e -q -s
-    VLLM_PATCH_DISABLE=1 python -m pytest tests/e2e/test_grammar_drafts.py -m e2e -q -s
+    python -m pytest tests/e2e/test_grammar_drafts_engine.py -m e2e -q -s
+    VLLM_PATCH_DISABLE=1 python -m pytest tests/e2e/test_grammar_drafts_engine.py -m e2e -q -s
 """
 
 from __future__ import annotations
