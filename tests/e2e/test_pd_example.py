@@ -155,8 +155,17 @@ def test_pd_one_token_prompt(pd, patched):
     assert tokens["count"] == 1, tokens  # the case under test
     short = {"model": "tiny", "prompt": "a short prompt", "max_tokens": 2,
              "temperature": 0}
-    assert requests.post(pd.url + "/v1/completions", json=short,
-                         timeout=120).status_code == 200
+    first = requests.post(pd.url + "/v1/completions", json=short, timeout=120)
+    if (first.status_code >= 500 and not patched
+            and pd.cfg.connector == "ExampleConnector"):
+        # Stock: the same bug may already have taken the prefill side down on
+        # an earlier short prompt of this module (its negative "tokens to
+        # load" reach the model runner or the API server's metrics).
+        log = pd.server("prefill").log_path.read_text(errors="replace")
+        assert ("IndexError" in log or "Counters can only be incremented "
+                "by non-negative amounts" in log), first.text
+        return
+    assert first.status_code == 200, first.text
     body = {"model": "tiny", "prompt": "x", "max_tokens": 8, "temperature": 0,
             "ignore_eos": True, "structured_outputs": {"regex": "[a-z]{1,6}"}}
     resp = requests.post(pd.url + "/v1/completions", json=body, timeout=120)
