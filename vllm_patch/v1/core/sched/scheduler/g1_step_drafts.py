@@ -30,7 +30,9 @@ from __future__ import annotations
 
 from typing import Any
 
-STEP_ATTR = "_vllm_patch_step"  # = spec_decode.utils.STEP_ATTR (worker side)
+# Stamped on each SchedulerOutput here; read on the worker by Model Runner
+# V2's patched runner (vllm_patch.v1.worker.gpu.spec_decode.utils imports it).
+STEP_ATTR = "_vllm_patch_step"
 _STATE_ATTR = "_vllm_patch_step_drafts"
 
 

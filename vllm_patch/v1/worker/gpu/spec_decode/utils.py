@@ -30,10 +30,9 @@ from vllm.v1.outputs import DraftTokenIds
 
 from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
-
-# Attribute the scheduler stamps on each SchedulerOutput (g1_step_drafts)
-# and the handler keeps for the step being run (note_step).
-STEP_ATTR = "_vllm_patch_step"
+# The attribute the scheduler stamps on each SchedulerOutput; the handler
+# keeps it for the step being run (note_step). One name for both sides.
+from vllm_patch.v1.core.sched.scheduler.g1_step_drafts import STEP_ATTR
 _SNAPS_ATTR = "_vllm_patch_step_drafts"  # step -> (req_ids, np drafts)
 # Steps kept: the deepest batch queue is pp + 1; 16 covers pp <= 15.
 KEEP = 16
