@@ -1,5 +1,6 @@
 """Grammar-aware drafting end to end: a real vLLM 0.32 engine on the CPU
-(in-process, sync scheduling), the tiny local model as its own drafter
+(in-process, sync scheduling; and with its worker in its own process, as
+the OpenAI server runs it), the tiny local model as its own drafter
 (`draft_model` = the target, greedy: the perfect drafter), k = 4, a few real
 JSONSchemaBench schemas (../shared/data/jsonschemabench-dev).
 
@@ -11,6 +12,11 @@ worker's counters show the shadow grammars at work (none lost).
 Stock (VLLM_PATCH_DISABLE=1): the perfect drafter proposes the model's
 unconstrained choice, the grammar cuts it, and tokens per step stay far
 below 0.75 (k + 1) (about 1.1 with this model).
+
+Multiprocess worker (VLLM_ENABLE_V1_MULTIPROCESSING=1, the server's
+executor): the worker has no scheduler next to it and compiles its own
+grammars; patched: the same tokens per step and identity, the worker's
+counters show drafting under its own grammars; stock: below 0.75 (k + 1).
 
 Tokens per target step = output tokens / target steps, where steps = steps
 with drafts (the engine's draft count) + the tokens not made by those steps
@@ -26,6 +32,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import time
 
 import pytest
 
@@ -39,6 +46,9 @@ DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
                     "data", "jsonschemabench-dev", "schemas")
 # Real schemas (sorted file names, the first the backend's validator takes).
 NUM_SCHEMAS = 2
+# Greedy non-speculative token ids per backend, shared by the tests of one
+# session (the reference does not depend on the executor).
+_REFERENCE: dict[str, list[list[int]]] = {}
 
 
 def _schemas(backend: str) -> list[dict]:
@@ -89,14 +99,22 @@ def _params(schemas, temperature=0.0):
             for i, s in enumerate(schemas)]
 
 
-def _generate(backend: str, schemas, spec: bool, sampled: bool = False):
+def _generate(backend: str, schemas, spec: bool, sampled: bool = False,
+              timing: dict | None = None):
     kwargs = {"structured_outputs_config": {
         "backend": backend, "disable_any_whitespace": True}}
     if spec:
         kwargs["speculative_config"] = {
             "method": "draft_model", "model": str(tiny_model.build_target()),
             "num_speculative_tokens": K}
+    start = time.monotonic()
     llm = engine.start_llm(**kwargs)
+    if timing is not None:
+        timing["start"] = time.monotonic() - start
+        timing["async"] = llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+        timing["client"] = type(llm.llm_engine.engine_core).__name__
+        timing["executor"] = \
+            llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
     try:
         before = engine.spec_decode_counts(llm)
         outs = llm.generate(["{"] * len(schemas), _params(schemas),
@@ -118,6 +136,24 @@ def _generate(backend: str, schemas, spec: bool, sampled: bool = False):
     return outs, spec_counts, extra, stats
 
 
+def _reference(backend: str, schemas, monkeypatch) -> list[list[int]]:
+    if backend not in _REFERENCE:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        _fresh_envs()
+        outs, _, _, _ = _generate(backend, schemas, spec=False)
+        _REFERENCE[backend] = [list(o.outputs[0].token_ids) for o in outs]
+    return _REFERENCE[backend]
+
+
+def _fresh_envs() -> None:
+    """An in-process engine core freezes vLLM's environment (vllm.envs
+    caches every variable once it has started): read it afresh so this
+    test's VLLM_ENABLE_V1_MULTIPROCESSING counts."""
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+
+
 def _tokens_per_step(outs, spec_counts) -> float:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     drafts = spec_counts["drafts"]
@@ -127,7 +163,7 @@ def _tokens_per_step(outs, spec_counts) -> float:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_grammar_drafts_engine(backend, inproc, patched):
+def test_grammar_drafts_engine(backend, inproc, patched, monkeypatch):
     if not patched and backend != "xgrammar":
         pytest.skip("stock: the tokens-per-step failure is shown with xgrammar")
     schemas = _schemas(backend)
@@ -141,9 +177,9 @@ def test_grammar_drafts_engine(backend, inproc, patched):
     if not patched:
         assert per_step < 0.75 * (K + 1), per_step
         return
-    reference, _, _, _ = _generate(backend, schemas, spec=False)
+    reference = _reference(backend, schemas, monkeypatch)
     for got, want in zip(outs, reference):
-        assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+        assert list(got.outputs[0].token_ids) == want
     assert per_step >= 0.75 * (K + 1), per_step
     (s,) = stats
     assert s["active"] == 1 and s["shadows"] == NUM_SCHEMAS * 2, s
@@ -156,3 +192,46 @@ def test_grammar_drafts_engine(backend, inproc, patched):
             jsonschema.validate(json.loads(c.text), schema)
         else:
             assert c.finish_reason == "length", c.finish_reason
+
+
+@pytest.mark.timeout(600)
+def test_grammar_drafts_multiprocess_worker(patched, monkeypatch):
+    """The OpenAI server's executor: one worker in its own process, no
+    scheduler beside the drafter. Patched: the worker compiles its own
+    grammars and drafts under them; stock: the grammar cuts the drafts."""
+    backend = "xgrammar"
+    schemas = _schemas(backend)
+    assert len(schemas) == NUM_SCHEMAS, "not enough schemas the backend takes"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    _fresh_envs()
+    timing: dict = {}
+    start = time.monotonic()
+    outs, spec, _, stats = _generate(backend, schemas, spec=True,
+                                     timing=timing)
+    seconds = time.monotonic() - start
+    per_step = _tokens_per_step(outs, spec)
+    print(f"\nGRAMMAR-DRAFTS multiprocess worker "
+          f"{'patched' if patched else 'stock'} {backend} draft_model k={K}: "
+          f"{per_step:.2f} tokens per step (target >= {0.75 * (K + 1):.2f}), "
+          f"{timing['client']}, executor {timing['executor']}, "
+          f"async scheduling {timing['async']}, "
+          f"engine start {timing['start']:.1f} s, with generate and stop "
+          f"{seconds:.1f} s, spec {spec}, "
+          f"worker {stats}")
+    # The server's layout: engine core in its own process, the worker in
+    # another (vLLM's CPU platform picks the multiprocess executor there).
+    assert timing["client"] == "SyncMPClient" and timing["executor"] == "mp", timing
+    (s,) = stats
+    if not patched:
+        assert s["active"] == 0, s
+        assert per_step < 0.75 * (K + 1), per_step
+        return
+    # worker_local: the worker built its own backend, which it does only
+    # where no scheduler's manager is in its process (a real second process).
+    assert s["active"] == 1 and s["worker_local"] == 1, s
+    assert s["shadows"] == NUM_SCHEMAS and s["shadows_lost"] == 0, s
+    assert s["positions"] > 0, s
+    assert per_step >= 0.75 * (K + 1), per_step
+    reference = _reference(backend, schemas, monkeypatch)
+    for got, want in zip(outs, reference):
+        assert list(got.outputs[0].token_ids) == want

@@ -5,6 +5,11 @@ chooses (every structured row prefers a token the grammar forbids), and the
 shadow grammars compiled by a real scheduler's structured-output manager
 (xgrammar, guidance).
 
+The shadows come from the scheduler's manager (the in-process executor)
+or, as in a multiprocess worker, from the worker's own manager (no
+scheduler's manager in the worker's process; the backend class chosen from
+the request's parameters: xgrammar, guidance, outlines).
+
 Patched: masked rows never propose a token the grammar forbids; a position
 where the grammar allows one token gets it (also with masking off: forced
 drafts alone); the unstructured row's drafts are bit-identical to stock's
@@ -52,7 +57,9 @@ def _drafter(vllm_config):
 def _setup(backend):
     from vllm_patch.testing.harness import Harness
 
-    h = Harness(backend, num_spec_tokens=K, disable_any_whitespace=True)
+    # vLLM takes disable_any_whitespace with xgrammar and guidance only.
+    h = Harness(backend, num_spec_tokens=K,
+                disable_any_whitespace=backend != "outlines")
     rids = [h.add_request(json=SCHEMA), h.add_request(regex="abc"),
             h.add_request()]
     for rid in rids[:2]:
@@ -103,14 +110,36 @@ def _forced_positions(h, rid, tokens):
     return out
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_masked_drafts(backend, patched, monkeypatch):
+BACKEND_CLASSES = {"xgrammar": "XgrammarBackend", "guidance": "GuidanceBackend",
+                   "outlines": "OutlinesBackend"}
+
+
+@pytest.mark.parametrize("backend,where", [
+    ("xgrammar", "scheduler"), ("guidance", "scheduler"),
+    ("xgrammar", "worker"), ("guidance", "worker"), ("outlines", "worker")])
+def test_masked_drafts(backend, where, patched, monkeypatch):
     monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
     monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
     h, rids, requests = _setup(backend)
+    if where == "worker":
+        # A multiprocess worker: no scheduler's manager in its process.
+        monkeypatch.setattr(gd, "find_manager", lambda config: None)
     bad = h.tok("x")
     drafter = _drafter(h.vllm_config)
     drafts, logits = _draft(h, drafter, rids, requests, bad)
+    if patched:
+        t = drafter.__dict__[gd.TRACKER_ATTR]
+        manager = t.manager
+        if where == "worker":
+            # The worker's own manager, its backend the request's.
+            assert manager is not h.structured_output_manager
+            assert t.local_manager is manager
+            assert manager not in gd.MANAGERS
+            assert type(manager.backend).__name__ == BACKEND_CLASSES[backend]
+            assert gd.stats(drafter)["worker_local"] == 1
+        else:
+            assert manager is h.structured_output_manager
+            assert t.local_manager is None
     # Unstructured row: stock's argmax, bit for bit.
     assert drafts[2] == [int(l[2].argmax()) for l in logits]
     valid = {rid: h.grammar(rid).validate_tokens(d) == d
@@ -177,3 +206,67 @@ def test_drafts_after_grammar_end_not_handed_over():
     stats = {"drafts_trimmed": 0}
     gd.trim_drafts(out, {"a": 1}, stats)
     assert out.draft_token_ids == [[1], [4, 5, 6]] and stats["drafts_trimmed"] == 2
+
+
+@pytest.mark.patched_only
+def test_worker_backend_choice(monkeypatch):
+    """A multiprocess worker's own backend (a package function: stock has no
+    such worker-side backend to compare with). The request's resolved
+    `_backend` decides; missing, the configured backend when it is concrete
+    (the request's parameters are not changed); lm-format-enforcer turns the
+    feature off in the worker, with the reason in the counters' `active`."""
+    import copy
+
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    monkeypatch.setattr(gd, "find_manager", lambda config: None)
+    params = lambda name: SimpleNamespace(  # noqa: E731
+        structured_outputs=SimpleNamespace(_backend=name))
+    config = lambda name: SimpleNamespace(  # noqa: E731
+        structured_outputs_config=SimpleNamespace(backend=name))
+    assert gd.backend_name(params("guidance"), config("auto")) == "guidance"
+    assert gd.backend_name(params(None), config("xgrammar")) == "xgrammar"
+    assert gd.backend_name(params(None), config("auto")) is None
+
+    def requests_with(h, rids, requests, backend):
+        out = {}
+        for rid in rids:
+            sp = copy.copy(h.request(rid).sampling_params)
+            if sp.structured_outputs is not None:
+                sp.structured_outputs = copy.copy(sp.structured_outputs)
+                sp.structured_outputs._backend = backend
+            out[rid] = SimpleNamespace(sampling_params=sp, output_token_ids=[])
+        return out
+
+    # No resolved backend on the request: the configured one (guidance).
+    h, rids, requests = _setup("guidance")
+    requests = requests_with(h, rids, requests, None)
+    drafter = _drafter(h.vllm_config)
+    gd.advance(drafter, requests, rids, [[-1]] * 3, [False] * 3)
+    t = drafter.__dict__[gd.TRACKER_ATTR]
+    assert type(t.local_manager.backend).__name__ == "GuidanceBackend"
+    assert requests[rids[0]].sampling_params.structured_outputs._backend is None
+    assert gd.stats(drafter)["shadows"] == 2
+
+    # lm-format-enforcer: off in this worker, no backend built.
+    h, rids, requests = _setup("xgrammar")
+    requests = requests_with(h, rids, requests, "lm-format-enforcer")
+    drafter = _drafter(h.vllm_config)
+    gd.advance(drafter, requests, rids, [[-1]] * 3, [False] * 3)
+    t = drafter.__dict__[gd.TRACKER_ATTR]
+    assert t.reason_off == gd.not_active_backend("lm-format-enforcer")
+    assert t.local_manager is None and gd.tracker(drafter) is None
+    assert gd.stats(drafter)["active"] == 0
+
+
+@pytest.mark.patched_only
+def test_status_lines_say_where_grammars_live():
+    from vllm_patch import envs
+
+    rows = gd.feature_status(envs.settings())
+    assert [r["feature"] for r in rows] == ["forced drafts", "masked drafts"]
+    for r in rows:
+        assert r["status"] == "on", r
+        assert "multiprocess workers" in r["reason"], r
+        assert "worker-local grammars" in r["reason"], r
+        assert "lm-format-enforcer" in r["reason"], r

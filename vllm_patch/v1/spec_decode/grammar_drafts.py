@@ -4,10 +4,10 @@ allows (masked drafts), and a draft position where the grammar allows exactly
 one token gets that token (forced drafts).
 
 Where the grammar state lives: one *shadow* grammar per structured request,
-in the drafter (worker side). It is a NEW grammar object compiled by the
-scheduler's own structured-output backend (`backend.compile_grammar`, the
-same StructuredOutputGrammar API for xgrammar, guidance and outlines; the
-backend's compile cache makes the second compile cheap). The committed
+in the drafter (worker side). It is a NEW grammar object compiled by a
+structured-output backend (`backend.compile_grammar`, the same
+StructuredOutputGrammar API for xgrammar, guidance and outlines; whose
+backend: below). The committed
 grammar the scheduler owns is never touched (under async scheduling the
 scheduler advances it on another thread). The shadow is advanced with the
 tokens this runner sampled in each step (accepted drafts + bonus token; it
@@ -15,13 +15,39 @@ sees them in `prepare_next_token_ids_*`, right before it drafts), walked
 forward position by position while drafting and rolled back after, so it
 is in step in sync and async scheduling alike.
 
-Only where the worker runs in the engine-core process (the in-process
-executor, one worker: TP = PP = 1) does the scheduler's backend exist next to
-the drafter. Multiprocess workers (TP > 1, PP, Ray) have none: there the
-feature is off, logged once per worker. Turning it on there would need the
-worker to build its own backend (the tokenizer and the structured-output
-config are in its vllm_config) and compile from the request's
-`sampling_params.structured_outputs`: the same code, a second compile.
+Whose backend compiles the shadow:
+- In-process executor (the worker runs in the engine-core process, one
+  worker): the scheduler's own StructuredOutputManager, found in MANAGERS
+  (same tokenizer info, same compile cache: the second compile is cheap).
+- Multiprocess workers (the OpenAI server's default even with one worker;
+  TP > 1, PP, Ray): no scheduler next to the drafter, so each worker builds
+  its OWN manager, lazily at its first structured request: vLLM's
+  StructuredOutputManager class on the worker's vllm_config (the tokenizer
+  from the model config, the vocabulary size from
+  model_config.get_vocab_size(), the backend class chosen by vLLM's own
+  `grammar_init` from the request's `structured_outputs._backend`, which
+  the scheduler output carries to the worker by pickle; the configured
+  `structured_outputs_config.backend` when it is missing and concrete).
+  xgrammar, guidance and outlines; not lm-format-enforcer (not installed
+  here, so never tested): with it the feature is off in the worker and the
+  log says so. The price is a second compile of each structured request's
+  grammar, in the worker, when the request first drafts.
+- Tensor parallel > 1: every rank compiles its own shadows and drafts the
+  same tokens. Each rank's drafter sees the same logits (vLLM's
+  LogitsProcessor all-gathers the full-vocabulary logits on every rank,
+  the platforms' default, and stock drafting already relies on every rank
+  choosing the same draft from them; drafters with a local argmax
+  reduction are not covered here), the same
+  committed token ids (the sampled tokens every rank advances its shadow
+  with are the same on all ranks, as vLLM's draft inputs require), and a
+  grammar compiled deterministically from the same request parameters with
+  the same tokenizer and backend: so the same mask, the same forced tokens
+  and the same argmax (or the same seeded draw) on every rank. A shadow is
+  built, kept or dropped by the same deterministic steps on every rank
+  (a compile error or a refused token happens on all of them alike). Were
+  they ever to differ, only draft quality would suffer: the scheduler
+  takes the drafts of one rank and the target verifies them with the
+  committed grammar on every rank (below).
 
 Correctness does not depend on the shadow: a draft is only a proposal the
 target verifies with the committed grammar's bitmask. V1's rejection
@@ -40,7 +66,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Sequence
 
 logger = logging.getLogger(__name__)
@@ -52,10 +80,19 @@ MANAGERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 TRACKER_ATTR = "_vllm_patch_grammar_drafts"
 
-NOT_ACTIVE_MULTIPROCESS = (
+# Backends a multiprocess worker builds its own grammars with.
+WORKER_LOCAL_BACKENDS = ("xgrammar", "guidance", "outlines")
+
+WORKER_LOCAL = (
     "this worker does not run in the engine-core process (multiprocess "
-    "workers: tensor or pipeline parallel, Ray), so it has no access to the "
-    "scheduler's grammars")
+    "workers: the OpenAI server, tensor or pipeline parallel, Ray): it "
+    "compiles its own copy of each structured request's grammar")
+
+
+def not_active_backend(name: str) -> str:
+    return (f"the structured-output backend {name!r} is not supported in "
+            "multiprocess workers (they compile their own grammars with "
+            f"{', '.join(WORKER_LOCAL_BACKENDS)} only)")
 
 
 def find_manager(vllm_config: Any) -> Any:
@@ -84,7 +121,10 @@ class Tracker:
 
     masked: bool
     forced: bool
+    # The scheduler's StructuredOutputManager (in-process executor; weak:
+    # the scheduler owns it), or this worker's own (multiprocess workers).
     manager_ref: Any = None
+    local_manager: Any = None
     reason_off: str = ""
     shadows: dict[str, Shadow] = field(default_factory=dict)
     # req_ids that lost their shadow (stock drafting from then on).
@@ -117,6 +157,8 @@ class Tracker:
 
     @property
     def manager(self) -> Any:
+        if self.local_manager is not None:
+            return self.local_manager
         return self.manager_ref() if self.manager_ref is not None else None
 
 
@@ -149,17 +191,94 @@ def tracker(drafter: Any) -> Tracker | None:
 
 
 def _bind_manager(t: Tracker, drafter: Any) -> bool:
+    """The scheduler's manager when this worker runs next to it (in-process
+    executor). False: none here; the worker builds its own at its first
+    shadow (`_worker_local_grammar`)."""
     if t.manager is not None:
         return True
     manager = find_manager(getattr(drafter, "vllm_config", None))
-    if manager is None:
-        t.reason_off = NOT_ACTIVE_MULTIPROCESS
-        logger.warning("vllm_patch: grammar-aware drafting (forced and "
-                       "masked drafts) is off in this worker: %s; structured "
-                       "requests draft as in stock vLLM", t.reason_off)
+    # A manager without a backend is not the one that compiled this
+    # request's grammar (the scheduler builds its backend before the request
+    # reaches a worker): e.g. a copy inherited by a forked process.
+    if manager is None or getattr(manager, "backend", None) is None:
         return False
     t.manager_ref = weakref.ref(manager)
     return True
+
+
+def backend_name(params: Any, vllm_config: Any) -> str | None:
+    """The backend vLLM's manager uses for this request: the one the
+    frontend resolved into `structured_outputs._backend`; else the
+    configured one when it names a backend ("auto" does not)."""
+    name = getattr(getattr(params, "structured_outputs", None), "_backend", None)
+    if not name:
+        so_config = getattr(vllm_config, "structured_outputs_config", None)
+        name = getattr(so_config, "backend", None)
+        if name == "auto":
+            name = None
+    return name or None
+
+
+def _worker_local_grammar(t: Tracker, drafter: Any, req_id: str,
+                          params: Any) -> Any:
+    """Multiprocess worker, first structured request: build this worker's
+    own StructuredOutputManager (vLLM's class: its tokenizer, its backend
+    choice in `grammar_init`) and return the request's shadow grammar from
+    it. None: no shadow for this request; `t.reason_off` set: the feature
+    is off in this worker (said in the log)."""
+    config = drafter.vllm_config
+    name = backend_name(params, config)
+    if name is None:
+        logger.debug("vllm_patch: no structured-output backend named for %s",
+                     req_id)
+        return None
+    if name not in WORKER_LOCAL_BACKENDS:
+        t.reason_off = not_active_backend(name)
+        logger.warning("vllm_patch: grammar-aware drafting (forced and "
+                       "masked drafts) is off in this worker: %s; structured "
+                       "requests draft as in stock vLLM", t.reason_off)
+        return None
+    from vllm.v1.structured_output import StructuredOutputManager
+    from vllm.v1.structured_output.request import StructuredOutputRequest
+
+    manager = StructuredOutputManager(config)
+    # Not the scheduler's: keep it out of find_manager's set.
+    MANAGERS.discard(manager)
+    # The drafter needs the grammar in this step: compile in this thread.
+    manager._use_async_grammar_compilation = False
+    so = params.structured_outputs
+    if getattr(so, "_backend", None) != name:
+        import copy
+
+        so = copy.copy(so)  # never change the request's own parameters
+        so._backend = name
+    probe = SimpleNamespace(
+        request_id=req_id,
+        sampling_params=SimpleNamespace(
+            structured_outputs=so,
+            all_stop_token_ids=params.all_stop_token_ids),
+        structured_output_request=StructuredOutputRequest(params=so))
+    try:
+        manager.grammar_init(probe)
+    except Exception as exc:  # noqa: BLE001 - drafting must never fail a step
+        if manager.backend is None:
+            t.reason_off = (f"this worker could not build its own {name} "
+                            f"structured-output backend: {exc}")
+            logger.warning("vllm_patch: grammar-aware drafting (forced and "
+                           "masked drafts) is off in this worker: %s",
+                           t.reason_off)
+            return None
+        t.local_manager = manager
+        raise
+    t.local_manager = manager
+    logger.info("vllm_patch: grammar-aware drafting: %s (backend %s)",
+                WORKER_LOCAL, name)
+    grammar = probe.structured_output_request._grammar
+    if isinstance(grammar, Future):
+        grammar = grammar.result()
+    if isinstance(grammar, Exception):
+        raise grammar
+    return grammar
 
 
 def drafter_eligible(drafter: Any) -> bool:
@@ -174,9 +293,13 @@ def drafter_eligible(drafter: Any) -> bool:
             and not getattr(drafter, "parallel_drafting", False))
 
 
-def _compile(t: Tracker, params: Any) -> Any:
+def _compile(t: Tracker, drafter: Any, req_id: str, params: Any) -> Any:
+    """A new shadow grammar for the request: compiled by the scheduler's
+    backend in-process, by this worker's own backend otherwise."""
     from vllm.v1.structured_output.request import get_structured_output_key
 
+    if not _bind_manager(t, drafter):
+        return _worker_local_grammar(t, drafter, req_id, params)
     backend = getattr(t.manager, "backend", None)
     if backend is None:
         return None
@@ -215,17 +338,17 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         shadow = t.shadows.get(req_id)
         if shadow is None:
             earlier = list(getattr(state, "output_token_ids", ()))
-            if not _bind_manager(t, drafter):
-                return
             if any(x < 0 for x in earlier):
                 t.lost.add(req_id)  # history unknown here: stock drafting
                 continue
             try:
-                grammar = _compile(t, params)
+                grammar = _compile(t, drafter, req_id, params)
             except Exception:  # noqa: BLE001 - drafting must never fail a step
                 logger.debug("vllm_patch: shadow grammar for %s failed to "
                              "compile", req_id, exc_info=True)
                 grammar = None
+            if t.reason_off:
+                return
             if grammar is None:
                 t.lost.add(req_id)
                 continue
@@ -396,6 +519,8 @@ def stats(worker: Any) -> dict[str, int]:
     t = drafter.__dict__.get(TRACKER_ATTR) if drafter is not None else None
     out = dict(Tracker(False, False).stats if t is None else t.stats)
     out["active"] = int(t is not None and not t.reason_off)
+    # 1: this worker compiles its own grammars (multiprocess workers).
+    out["worker_local"] = int(t is not None and t.local_manager is not None)
     return out
 
 
@@ -422,8 +547,10 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
             status, why = "not active", "; ".join(failed) or "not registered"
         else:
             status, why = "on", (
-                "with EAGLE / draft-model drafters and one in-process "
-                "worker; multiprocess workers: off, said in the log; off "
-                "with a reasoning parser")
+                "with EAGLE / draft-model drafters; in-process worker: the "
+                "scheduler's grammars; multiprocess workers (the OpenAI "
+                "server): worker-local grammars, xgrammar, guidance or "
+                "outlines, off with lm-format-enforcer; off with a "
+                "reasoning parser")
         rows.append({"feature": feature, "status": status, "reason": why})
     return rows

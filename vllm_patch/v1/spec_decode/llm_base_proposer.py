@@ -121,7 +121,8 @@ PATCHES: list[Patch] = [
         why=_WHY,
         how=("after the stock method, each structured request's shadow "
              "grammar (a second grammar compiled by the scheduler's backend, "
-             "never the committed one) accepts the tokens sampled for it in "
+             "or by the worker's own in multiprocess workers; never the "
+             "committed one) accepts the tokens sampled for it in "
              "this step (-1 = rejected; discarded partial-prefill rows "
              "skipped); a shadow that refuses one is dropped (stock drafting "
              "for that request)"),

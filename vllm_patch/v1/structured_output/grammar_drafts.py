@@ -6,7 +6,9 @@ one worker), the drafter compiles its shadow grammars with the scheduler's
 own backend (same tokenizer info, same compile cache). Nothing in vLLM links
 the worker to the scheduler, so each StructuredOutputManager puts itself in
 `vllm_patch.v1.spec_decode.grammar_drafts.MANAGERS` (a weak set) when it is
-built. See that module for the feature.
+built. Multiprocess workers (the OpenAI server) find none there and build
+their own manager (taken out of the set again). See that module for the
+feature.
 """
 
 from __future__ import annotations
