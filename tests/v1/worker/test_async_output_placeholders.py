@@ -74,3 +74,44 @@ def test_without_speculative_decoding(patched):
         assert r0 == [42]
         return
     assert r0 == [-1] * 9 + [42]
+
+
+def test_token_count_realigned_after_rejected_drafts(patched):
+    """The runner's token count must come back to the scheduler's after a
+    step that removed rejected drafts' placeholders from the output list
+    (figures from a soak trace: prompt 387, max_model_len 512)."""
+    from vllm_patch.v1.worker.gpu_model_runner import align_token_counts
+
+    prompt, max_model_len = 387, 512
+    # After _update_states: the list has the scheduler's 122 outputs (the
+    # last 2 + 1 are the previous step's placeholders: 2 drafts verified).
+    r0 = [9] * 119 + [-1, -1, -1]
+    count = np.array([509])
+    # The penalised neighbour makes the runner fill in the placeholders:
+    # both drafts were rejected, 1 token sampled.
+    _update(_batch([r0], [[4, -1, -1]], np.array([2])))
+    assert len(r0) == 120
+    count[0] += 1  # _bookkeeping_sync: this step's sampled token
+    r0.append(-1)
+    # Next step: the scheduler knows the rejection: 123 outputs, 1 draft.
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(req_id_to_index={"r0": 0},
+                                    num_tokens_no_spec=count,
+                                    num_prompt_tokens=np.array([prompt])),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    scheduled = SimpleNamespace(req_ids=["r0"], num_output_tokens=[123])
+    # Stock aligns only when the list is longer than the scheduler's count.
+    assert not 123 < len(r0) + 1
+    if patched:
+        assert align_token_counts(runner, scheduled) == 0  # not ahead yet
+    # Two more such steps (1 draft each, rejected) and the count is ahead.
+    for nout in (123, 124):
+        count[0] += 1
+        if patched:
+            align_token_counts(runner, SimpleNamespace(req_ids=["r0"],
+                                                       num_output_tokens=[nout]))
+    final = int(count[0]) + 1  # the last step's sampled token
+    if not patched:
+        assert final > max_model_len  # "Sampled token IDs exceed ..."
+        return
+    assert final <= max_model_len
