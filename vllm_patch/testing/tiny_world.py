@@ -70,14 +70,14 @@ WORLD_CONFIG = dict(
 TARGET_CONFIG = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-    seed=0, steps=120, batch_tokens=2048, lr=3e-3, text_share=0.15,
+    seed=0, steps=900, batch_tokens=2048, lr=3e-3, text_share=0.15,
 )
 DRAFT_CONFIG = dict(
     hidden_size=128, intermediate_size=384, num_hidden_layers=1,
     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
-    seed=1, steps=120, batch_tokens=2048, lr=3e-3, text_share=0.15,
+    seed=1, steps=500, batch_tokens=2048, lr=3e-3, text_share=0.15,
 )
-EAGLE_CONFIG = dict(num_hidden_layers=1, seed=2, steps=60, batch_tokens=2048,
+EAGLE_CONFIG = dict(num_hidden_layers=1, seed=2, steps=250, batch_tokens=2048,
                     lr=3e-3, feature_weight=1.0, text_share=0.15)
 
 
@@ -543,7 +543,8 @@ def held_out_report(world: dict[str, Path], limit: int = 30, max_new: int = 192)
                 pass
         res[label] = {"n": n, "valid_json": round(parsed / max(n, 1), 3),
                       "follows_schema": round(follows / max(n, 1), 3)}
-    res["forced_share_valid_instances"] = forced_share_report(world["tokenizer"])
+        print(f"{label}: {json.dumps(res[label])}", flush=True)
+    res["forced_share_valid_instances"] = forced_share_report(build_tokenizer())
     return res
 
 
