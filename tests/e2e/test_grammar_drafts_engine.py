@@ -139,19 +139,9 @@ def _generate(backend: str, schemas, spec: bool, sampled: bool = False,
 def _reference(backend: str, schemas, monkeypatch) -> list[list[int]]:
     if backend not in _REFERENCE:
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        _fresh_envs()
         outs, _, _, _ = _generate(backend, schemas, spec=False)
         _REFERENCE[backend] = [list(o.outputs[0].token_ids) for o in outs]
     return _REFERENCE[backend]
-
-
-def _fresh_envs() -> None:
-    """An in-process engine core freezes vLLM's environment (vllm.envs
-    caches every variable once it has started): read it afresh so this
-    test's VLLM_ENABLE_V1_MULTIPROCESSING counts."""
-    import vllm.envs
-
-    vllm.envs.disable_envs_cache()
 
 
 def _tokens_per_step(outs, spec_counts) -> float:
@@ -203,7 +193,6 @@ def test_grammar_drafts_multiprocess_worker(patched, monkeypatch):
     schemas = _schemas(backend)
     assert len(schemas) == NUM_SCHEMAS, "not enough schemas the backend takes"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    _fresh_envs()
     timing: dict = {}
     start = time.monotonic()
     outs, spec, _, stats = _generate(backend, schemas, spec=True,
