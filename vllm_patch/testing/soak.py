@@ -976,11 +976,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         target = OneServer(a, out)
     (out / "config.json").write_text(json.dumps(vars(a), indent=1))
+
+    def _terminate(signum: int, frame: Any) -> None:
+        # SIGTERM / SIGHUP (a timeout, a campaign stopped): unwind, so the
+        # finally below stops the servers this run started.
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminate)
     t0 = time.monotonic()
-    target.start()
-    print(f"soak {a.mode}: {a.target} up in {time.monotonic() - t0:.0f}s at {target.url}",
-          flush=True)
     try:
+        target.start()
+        print(f"soak {a.mode}: {a.target} up in {time.monotonic() - t0:.0f}s "
+              f"at {target.url}", flush=True)
         rc = RunConfig(out=out, seed=a.seed, requests=a.requests, duration=a.duration,
                        backend=a.backend, mode=a.mode, max_tokens_cap=a.max_tokens_cap,
                        idle_every=a.idle_every, spec_decoding=a.spec != "none",
