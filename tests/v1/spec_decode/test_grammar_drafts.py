@@ -270,3 +270,24 @@ def test_status_lines_say_where_grammars_live():
         assert "multiprocess workers" in r["reason"], r
         assert "worker-local grammars" in r["reason"], r
         assert "lm-format-enforcer" in r["reason"], r
+
+
+@pytest.mark.patched_only
+def test_refused_token_loses_shadow_quietly(monkeypatch):
+    """A shadow out of step refuses a token: the shadow is dropped without
+    xgrammar's "Failed to advance FSM ... Please file an issue" ERROR (seen
+    in a soak's worker log), and nothing of it is advanced."""
+    import vllm.v1.structured_output.backend_xgrammar as bx
+
+    errors = []
+    monkeypatch.setattr(bx.logger, "error", lambda *a, **k: errors.append(a))
+    h, rids, _ = _setup("xgrammar")
+    grammar = h.request(rids[1]).structured_output_request.grammar  # regex abc
+    tok = h.tokenizer
+    a, b = (tok.encode(c, add_special_tokens=False)[0] for c in "ab")
+    assert not gd._accepts(grammar, "r", [b])
+    assert gd._accepts(grammar, "r", [a])  # untouched by the refusal
+    assert not gd._accepts(grammar, "r", [a, a])
+    assert errors == []
+    bx.XgrammarGrammar.accept_tokens(grammar, "r", [a])  # what it replaces
+    assert errors, "the stock call logs the refusal"

@@ -356,10 +356,20 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
             t.stats["shadows"] += 1
             tokens = earlier if outputs_include_step else earlier + tokens
         if tokens and (shadow.grammar.is_terminated()
-                       or not shadow.grammar.accept_tokens(req_id, tokens)):
+                       or not _accepts(shadow.grammar, req_id, tokens)):
             del t.shadows[req_id]
             t.lost.add(req_id)
             t.stats["shadows_lost"] += 1
+
+
+def _accepts(grammar: Any, req_id: str, tokens: list[int]) -> bool:
+    """Advance a shadow by `tokens` if its grammar accepts them all.
+    Checked first with validate_tokens (which advances nothing): a refusal
+    is expected here (a shadow out of step, an unmasked draft), and
+    xgrammar's accept_tokens logs it as an ERROR asking to file an issue."""
+    if len(grammar.validate_tokens(tokens)) != len(tokens):
+        return False
+    return grammar.accept_tokens(req_id, tokens)
 
 
 def begin(drafter: Any, batch_size: int) -> None:
@@ -500,7 +510,7 @@ def sample(drafter: Any, original: Any, hidden_states: Any,
             t.limits[req_id] = pos
             t.stats["ended"] += 1
             continue
-        if not sh.grammar.accept_tokens(req_id, [token]):
+        if not _accepts(sh.grammar, req_id, [token]):
             sh.walking = False  # unmasked drafter left the grammar
             continue
         sh.walked += 1
