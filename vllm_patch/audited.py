@@ -75,6 +75,7 @@ DIGESTS: dict[str, dict[str, str]] = {
     _R + "sample_tokens": _both("047e6a4738dead56"),
     _R + "_sample": _both("5cb5c1da02cfdc68"),
     _R + "_update_states": _both("326599f31b273b94"),
+    _R + "_bookkeeping_sync": _both("13c3e81003a7e168"),
     "vllm.v1.worker.gpu_input_batch:InputBatch.update_async_output_token_ids":
         _both("a3cbd012e32d52c7"),
     _R + "propose_draft_token_ids": {"0.32": "a60269aca9de4e25",
