@@ -507,7 +507,7 @@ class _CpuRewind:
         self._generator.set_state(self._state)
 
 
-def _pre_sampling_state(runner: Any, req_id: str, generator: Any) -> Any:
+def _pre_sampling_state(runner: Any, req_id: str) -> Any:
     saved = runner.__dict__.get(_SAVED_STATES_ATTR, {})
     state = saved.get(req_id)
     if state is not None:
@@ -531,14 +531,14 @@ def _make_bookkeeping_sync(original: Any) -> Any:
         if not cpu:
             return original(self, *args, **kwargs)
         discard = self.discard_request_mask.np[:batch.num_reqs]
-        swapped = dict(generators)
+        rewinds = {}
         for i, g in cpu.items():
             if i < len(discard) and discard[i]:
-                state = _pre_sampling_state(self, batch.req_ids[i], g)
+                state = _pre_sampling_state(self, batch.req_ids[i])
                 if state is not None:
-                    swapped[i] = _CpuRewind(g, state)
-        if any(isinstance(v, _CpuRewind) for v in swapped.values()):
-            batch.generators = swapped
+                    rewinds[i] = _CpuRewind(g, state)
+        if rewinds:
+            batch.generators = {**generators, **rewinds}
             try:
                 result = original(self, *args, **kwargs)
             finally:
