@@ -44,7 +44,7 @@ import vllm_patch
 from vllm_patch.patching import REGISTRY, State
 from vllm_patch.testing.workload import CHOICES, REGEX, valid
 from vllm_patch.testing import engine, tiny_model
-from vllm_patch.v1.worker.gpu_model_runner import draft_skip_stats
+from vllm_patch.v1.spec_decode.grammar_end import draft_skip_stats
 
 pytestmark = pytest.mark.e2e
 

@@ -387,7 +387,7 @@ def propose_once(runner: Any, grammar_output: Any, spec: dict[str, list[int]],
     import torch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_patch.v1.worker import gpu_model_runner as g3
+    from vllm_patch.v1.worker.gpu_model_runner import g3_drafts as g3
 
     g3.begin_step(runner, grammar_output)
     so = SimpleNamespace(total_num_scheduled_tokens=sum(map(len, sampled)),

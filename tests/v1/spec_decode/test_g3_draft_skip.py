@@ -169,7 +169,7 @@ def _grammar_output(h, so_ids, record):
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_drafter_skipped_only_when_every_request_ends(patched, async_):
     from vllm_patch.testing.harness import EOS, Harness
-    from vllm_patch.v1.worker import gpu_model_runner as g3
+    from vllm_patch.v1.worker.gpu_model_runner import g3_drafts as g3
 
     h = Harness("xgrammar", num_spec_tokens=3)
     a, b, x = h.tok("a"), h.tok("b"), h.tok("x")
@@ -256,7 +256,7 @@ def test_skip_only_for_drafters_whose_path_is_mirrored():
     / suffix / custom proposers have no model forward to save)."""
     import vllm.v1.worker.gpu_model_runner as stock_runner
 
-    from vllm_patch.v1.worker import gpu_model_runner as g3
+    from vllm_patch.v1.worker.gpu_model_runner import g3_drafts as g3
 
     def runner(method: str, drafter_cls, **flags):
         r = _Runner(["r"], {"r": None})

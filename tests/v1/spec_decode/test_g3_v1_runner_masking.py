@@ -9,7 +9,7 @@ pytestmark = pytest.mark.scheduler
 
 
 def test_positions_follow_batch_order_not_grammar_order():
-    from vllm_patch.v1.worker.gpu_model_runner import unacceptable_draft_positions
+    from vllm_patch.v1.worker.gpu_model_runner.g3_drafts import unacceptable_draft_positions
 
     # Batch: u (3 drafts, unstructured), t (3, limit 1), p (0: prefill),
     # n (2, limit 2); grammar order differs from batch order.
@@ -19,7 +19,7 @@ def test_positions_follow_batch_order_not_grammar_order():
 
 
 def test_mask_sets_minus_one_and_sampler_rejects():
-    from vllm_patch.v1.worker.gpu_model_runner import mask_unacceptable_drafts
+    from vllm_patch.v1.worker.gpu_model_runner.g3_drafts import mask_unacceptable_drafts
 
     drafts = torch.tensor([7, 8, 9, 5, 6, 4], dtype=torch.int32)
     n = mask_unacceptable_drafts(drafts, ["a", "b"], [3, 3], ["b", "a"], [0, 2])
@@ -42,7 +42,7 @@ def test_v1_rejection_sampler_rejects_masked_draft():
     from vllm.platforms import current_platform
     from vllm.v1.sample.rejection_sampler import rejection_sample
 
-    from vllm_patch.v1.worker.gpu_model_runner import mask_unacceptable_drafts
+    from vllm_patch.v1.worker.gpu_model_runner.g3_drafts import mask_unacceptable_drafts
 
     current_platform.register_triton_kernel_overrides()
     vocab = 16

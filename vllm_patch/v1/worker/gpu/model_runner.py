@@ -8,8 +8,8 @@ speculator proposes drafts (k forward passes of EAGLE / draft_model) for
 requests that end in this step or ended in the previous one under async
 scheduling, and hands them to the scheduler (`take_draft_token_ids`).
 
-Same prediction as the V1 runner's draft skip
-(`vllm_patch.v1.spec_decode.grammar_end`): a request ends when a grammar
+The same prediction as the V1 runner's draft skip (one implementation:
+`vllm_patch.v1.spec_decode.grammar_end.predict_ends`): a request ends when a grammar
 stop token is sampled from a grammar-filled bitmask row (patched G2 then
 finishes it), or it ended before (a structured request the scheduler left out
 of this step's grammar output: it finished while the step was in flight).
@@ -24,7 +24,7 @@ request of the batch ends, the speculator is not run for this step:
 drafter" path), which V2 stores and does not hand over (withheld); the
 scheduler schedules none for finished requests. When only some end, the speculator runs as in stock and
 those requests hand the scheduler no drafts. Counters as on V1
-(`vllm_patch.v1.worker.gpu_model_runner.draft_skip_stats` reads both).
+(`vllm_patch.v1.spec_decode.grammar_end.draft_skip_stats` reads both).
 Pipeline parallel and data parallel: the speculator is never skipped
 (other ranks run it in step); drafts are still withheld.
 """
@@ -36,15 +36,12 @@ from typing import Any
 
 from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
-from vllm_patch.v1.worker.gpu_model_runner import (STATS_ATTR,
-                                                   _g2_finishes_at_grammar_end,
-                                                   _stats)
+from vllm_patch.v1.spec_decode import grammar_end
+from vllm_patch.v1.spec_decode.grammar_end import STATS_ATTR, draft_stats
 
 logger = logging.getLogger(__name__)
 
 _GRAMMAR_ATTR = "_vllm_patch_v2_grammar_output"
-_STEP_ATTR = "_vllm_patch_v2_step"
-_ENDED_ATTR = "_vllm_patch_v2_ended"     # req_id -> step its grammar ended
 _DROP_ATTR = "_vllm_patch_v2_drop"       # req_ids: hand over no drafts
 _SAMPLED_ATTR = "_vllm_patch_v2_sampled"  # (input batch, tokens, counts)
 _STOPS_ATTR = "_vllm_patch_v2_stops"     # req_id -> (structured, stop set)
@@ -58,8 +55,6 @@ def _ctx(runner: Any) -> dict:
 
 def _make_add_requests(original: Any) -> Any:
     def add_requests(self: Any, scheduler_output: Any) -> Any:
-        from vllm_patch.v1.spec_decode import grammar_end
-
         stops = _ctx(self).setdefault(_STOPS_ATTR, {})
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             params = getattr(new, "sampling_params", None)
@@ -76,7 +71,7 @@ def _make_add_requests(original: Any) -> Any:
 def _make_sample_tokens(original: Any) -> Any:
     def sample_tokens(self: Any, grammar_output: Any) -> Any:
         d = _ctx(self)
-        d[_STEP_ATTR] = d.get(_STEP_ATTR, 0) + 1
+        grammar_end.next_step(self)
         d[_GRAMMAR_ATTR] = grammar_output
         d[_DROP_ATTR] = frozenset()
         d.pop(_SAMPLED_ATTR, None)
@@ -106,7 +101,7 @@ def _propose_for(runner: Any, speculator: Any) -> Any:
         sampled = d.get(_SAMPLED_ATTR)
         if sampled is None or sampled[0] is not input_batch:
             return real(input_batch, *args, **kwargs)
-        stats = _stats(runner)
+        stats = draft_stats(runner)
         stats["proposer_calls"] += 1
         before, ending, all_end = ending_requests(
             runner, input_batch, d.get(_GRAMMAR_ATTR), sampled[1], sampled[2])
@@ -121,91 +116,37 @@ def _propose_for(runner: Any, speculator: Any) -> Any:
     return propose
 
 
-def _live_ended(runner: Any, batch: list[str], depth: int) -> set[str]:
-    ended: dict[str, int] = _ctx(runner).setdefault(_ENDED_ATTR, {})
-    step = _ctx(runner).get(_STEP_ATTR, 0)
-    live: set[str] = set()
-    for req_id in list(ended):
-        age = step - ended[req_id]
-        if age > depth:
-            if req_id in batch:
-                _stats(runner)["mispredicted"] += 1
-            del ended[req_id]
-        elif req_id in batch and age > 0:
-            live.add(req_id)
-    return live
-
-
-def _in_flight_depth(runner: Any) -> int:
-    """Runner steps after a request's end in which it may still be in a
-    batch (scheduled before the scheduler saw the end): async scheduling,
-    the next step (pipeline parallel: the request's next step comes pp steps
-    later, scheduled before the oldest is processed); sync with a pipeline's
-    batch queue, up to pp - 1. V2 has no use_async_scheduling attribute (the
-    V1 runner's): the scheduler config says it."""
-    sc = getattr(getattr(runner, "vllm_config", None), "scheduler_config", None)
-    async_ = getattr(sc, "async_scheduling", None)
-    if async_ is None:
-        async_ = getattr(runner, "use_async_scheduling", False)
-    pc = getattr(runner, "parallel_config", None)
-    pp = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
-    return pp if async_ else pp - 1
-
-
 def ending_requests(runner: Any, input_batch: Any, grammar_output: Any,
                     sampled_tokens: Any, num_sampled: Any,
                     ) -> tuple[set[str], set[str], bool]:
-    """(ended before this step, ending in it, every request of the batch is
-    in one of the two), for V2's InputBatch and sampler output (the
-    V1 counterpart: vllm_patch.v1.worker.gpu_model_runner.ending_requests)."""
-    from vllm_patch.v1.spec_decode import grammar_end
-
+    """grammar_end.predict_ends for V2's InputBatch and sampler output: a
+    row samples when it has sampled tokens in this step (not a partial
+    prefill); V2 keeps no sampling parameters, so the stop tokens come
+    from add_requests."""
     batch = list(input_batch.req_ids)
     if not batch or not getattr(input_batch, "has_structured_output_reqs", True):
         return set(), set(), False
-    ended = _live_ended(runner, batch, _in_flight_depth(runner))
     stops: dict = _ctx(runner).get(_STOPS_ATTR, {})
-    in_grammar = set(grammar_output.structured_output_request_ids
-                     if grammar_output is not None else ())
     n_sampled = [int(n) for n in (num_sampled.tolist()
                                   if hasattr(num_sampled, "tolist") else num_sampled)]
-    for i, req_id in enumerate(batch):
-        structured = stops.get(req_id, (False, frozenset()))[0]
-        if structured and req_id not in in_grammar and n_sampled[i] > 0:
-            ended.add(req_id)
-    if len(ended) == len(batch):
-        return ended, set(), True
-    if grammar_output is None or not _g2_finishes_at_grammar_end():
-        return ended, set(), False
     per_req = getattr(input_batch, "num_draft_tokens_per_req", None)
-    drafts = {req_id: [0] * (int(per_req[i]) if per_req is not None else 0)
-              for i, req_id in enumerate(batch)}
-    rows = grammar_end.request_rows(
-        grammar_output.structured_output_request_ids,
-        grammar_output.grammar_bitmask, drafts,
-        int(getattr(runner, "num_speculative_steps", 0) or 0))
-    so_config = getattr(getattr(runner, "vllm_config", None),
-                        "structured_outputs_config", None)
-    stop_only = bool(getattr(so_config, "reasoning_parser", "") or "")
-    candidates: dict[int, tuple[str, frozenset[int]]] = {}
-    for i, req_id in enumerate(batch):
-        if req_id in ended:
-            continue
-        req_stops = stops.get(req_id, (False, frozenset()))[1]
-        if (req_id not in rows or n_sampled[i] == 0
-                or not grammar_end.may_end(rows[req_id], req_stops, stop_only)):
-            return ended, set(), False  # this one goes on
-        candidates[i] = (req_id, req_stops)
-    _stats(runner)["token_reads"] += 1
-    sampled = sampled_tokens.tolist() if hasattr(sampled_tokens, "tolist") \
-        else [list(r) for r in sampled_tokens]
-    ending = {req_id for i, (req_id, req_stops) in candidates.items()
-              if grammar_end.ends_at(rows[req_id], sampled[i][:n_sampled[i]],
-                                     req_stops, stop_only) is not None}
-    step = _ctx(runner).get(_STEP_ATTR, 0)
-    for req_id in ending:
-        _ctx(runner).setdefault(_ENDED_ATTR, {})[req_id] = step
-    return ended, ending, len(ended) + len(ending) == len(batch)
+
+    def read_sampled() -> list[list[int]]:
+        rows = sampled_tokens.tolist() if hasattr(sampled_tokens, "tolist") \
+            else [list(r) for r in sampled_tokens]
+        return [row[:n] for row, n in zip(rows, n_sampled)]
+
+    view = grammar_end.BatchView(
+        req_ids=batch,
+        structured=lambda i: stops.get(batch[i], (False, frozenset()))[0],
+        samples=lambda i: n_sampled[i] > 0,
+        stops=lambda i: stops.get(batch[i], (False, frozenset()))[1],
+        spec_tokens={req_id: [0] * (int(per_req[i]) if per_req is not None else 0)
+                     for i, req_id in enumerate(batch)},
+        num_spec_tokens=int(getattr(runner, "num_speculative_steps", 0) or 0),
+        read_sampled=read_sampled)
+    return grammar_end.predict_ends(runner, view, grammar_output,
+                                    grammar_end.reasoning_rows(runner))
 
 
 def _no_drafts(runner: Any, input_batch: Any) -> Any:
