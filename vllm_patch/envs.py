@@ -32,6 +32,19 @@ def _optional_flag(name: str) -> bool | None:
     return _flag(name, False) if os.environ.get(name, "").strip() else None
 
 
+def _number(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value < 0:
+        raise ValueError(f"{name}={raw!r} must not be negative")
+    return value
+
+
 def _names(name: str) -> frozenset[str]:
     raw = os.environ.get(name, "")
     return frozenset(part.strip() for part in raw.split(",") if part.strip())
@@ -70,6 +83,14 @@ class Settings:
     # Grammar-aware drafting: the drafter's (EAGLE / draft model) proposals
     # are masked by the grammar position by position. On by default.
     masked_drafts: bool
+    # Grammar-aware drafting's cost model: a batch drafts under the grammar
+    # only while the expected gain in accepted tokens exceeds its measured
+    # cost (False: always, e.g. to measure it).
+    draft_cost_model: bool
+    # The modelled cost of one device-to-host synchronisation between two
+    # draft positions on an accelerator, in microseconds (no GPU here to
+    # measure it on; 0 on the CPU, where there is nothing to wait for).
+    draft_sync_us: float
 
 
 ENV_VARS: dict[str, str] = {
@@ -113,6 +134,15 @@ ENV_VARS: dict[str, str] = {
         "request's drafts are chosen among the tokens its grammar allows, "
         "position by position; 0 turns it off"
     ),
+    "VLLM_PATCH_DRAFT_COST_MODEL": (
+        "on by default: grammar-aware drafting runs for a batch only while "
+        "its expected gain in accepted tokens exceeds its measured cost; 0 "
+        "drafts under the grammar always"
+    ),
+    "VLLM_PATCH_DRAFT_SYNC_US": (
+        "the cost model's price of one device-to-host synchronisation "
+        "between two draft positions on a GPU, in microseconds (default 30)"
+    ),
 }
 
 
@@ -133,4 +163,6 @@ def settings() -> Settings:
         nixl_cpu_core_in_bind=_optional_flag("VLLM_PATCH_NIXL_CPU_CORE_IN_BIND"),
         forced_drafts=_flag("VLLM_PATCH_FORCED_DRAFTS", True),
         masked_drafts=_flag("VLLM_PATCH_MASKED_DRAFTS", True),
+        draft_cost_model=_flag("VLLM_PATCH_DRAFT_COST_MODEL", True),
+        draft_sync_us=_number("VLLM_PATCH_DRAFT_SYNC_US", 30.0),
     )

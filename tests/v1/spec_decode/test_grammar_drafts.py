@@ -51,6 +51,7 @@ def _drafter(vllm_config):
     d.use_local_argmax_reduction = False
     d.use_heterogeneous_vocab = False
     d.parallel_drafting = False
+    d.num_speculative_tokens = K
     return d
 
 
@@ -114,12 +115,17 @@ BACKEND_CLASSES = {"xgrammar": "XgrammarBackend", "guidance": "GuidanceBackend",
                    "outlines": "OutlinesBackend"}
 
 
-@pytest.mark.parametrize("backend,where", [
-    ("xgrammar", "scheduler"), ("guidance", "scheduler"),
-    ("xgrammar", "worker"), ("guidance", "worker"), ("outlines", "worker")])
-def test_masked_drafts(backend, where, patched, monkeypatch):
+@pytest.mark.parametrize("backend,where,path", [
+    ("xgrammar", "scheduler", "lazy"), ("guidance", "scheduler", "lazy"),
+    ("xgrammar", "worker", "lazy"), ("guidance", "worker", "lazy"),
+    ("outlines", "worker", "lazy"),
+    # The accelerator's path on CPU tensors: top-k candidates up front, the
+    # masked argmax of the rows that refused them read one position later.
+    ("xgrammar", "scheduler", "upfront"), ("guidance", "scheduler", "upfront")])
+def test_masked_drafts(backend, where, path, patched, monkeypatch):
     monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
     monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    monkeypatch.setattr(gd, "CANDIDATES_UPFRONT", path == "upfront")
     h, rids, requests = _setup(backend)
     if where == "worker":
         # A multiprocess worker: no scheduler's manager in its process.
@@ -155,6 +161,10 @@ def test_masked_drafts(backend, where, patched, monkeypatch):
     # The regex "abc" walks to its end; the json object is still open.
     stats = gd.stats(drafter)
     assert stats["positions"] > 0 and stats["forced"] > 0, stats
+    if path == "upfront":
+        # At most one device-to-host read per draft position (advance is
+        # given host lists here: no read of the sampled tokens).
+        assert stats["d2h_syncs"] <= K, stats
     # Shadows are back at the committed state: the same drafts again.
     again, _ = _draft(h, drafter, rids, requests, bad)
     assert again[:2] == drafts[:2]
@@ -264,8 +274,10 @@ def test_status_lines_say_where_grammars_live():
     from vllm_patch import envs
 
     rows = gd.feature_status(envs.settings())
-    assert [r["feature"] for r in rows] == ["forced drafts", "masked drafts"]
-    for r in rows:
+    assert [r["feature"] for r in rows] == ["forced drafts", "masked drafts",
+                                            "drafting cost model"]
+    assert rows[2]["status"] == "on" and "measured gain" in rows[2]["reason"]
+    for r in rows[:2]:
         assert r["status"] == "on", r
         assert "multiprocess workers" in r["reason"], r
         assert "worker-local grammars" in r["reason"], r
@@ -291,3 +303,31 @@ def test_refused_token_loses_shadow_quietly(monkeypatch):
     assert errors == []
     bx.XgrammarGrammar.accept_tokens(grammar, "r", [a])  # what it replaces
     assert errors, "the stock call logs the refusal"
+
+
+@pytest.mark.patched_only
+def test_cost_model_keeps_stock_where_it_cannot_win(monkeypatch):
+    """Where the expected gain does not pay for the cost, the batch drafts as
+    stock (the forbidden token is drafted), and a feature that keeps not
+    paying goes dormant: no shadow is kept, the runner's hook no longer
+    reads the sampled tokens, and the requests in flight stay stock."""
+    from vllm_patch.v1.spec_decode import draft_cost as dc
+
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    monkeypatch.setattr(dc.DraftCost, "expected",
+                        lambda self, rows, positions: (0.0, 1.0))
+    h, rids, requests = _setup("xgrammar")
+    bad = h.tok("x")
+    drafter = _drafter(h.vllm_config)
+    drafts, _ = _draft(h, drafter, rids, requests, bad)
+    t = drafter.__dict__[gd.TRACKER_ATTR]
+    assert all(d[0] == bad for d in drafts[:2]), drafts
+    assert t.cost.regime == "off" and gd.stats(drafter)["positions"] == 0
+    for _ in range(dc.DORMANT_AFTER):
+        _draft(h, drafter, rids, requests, bad)
+    assert t.cost.regime == "dormant" and not t.shadows
+    assert not gd.wants_tokens(drafter)
+    drafts, _ = _draft(h, drafter, rids, requests, bad)
+    assert all(d[0] == bad for d in drafts[:2]) and not t.shadows
+    assert gd.stats(drafter)["d2h_syncs"] == 0

@@ -65,6 +65,7 @@ as in stock from then on (counted as `shadows_lost`).
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -108,10 +109,75 @@ def find_manager(vllm_config: Any) -> Any:
 @dataclass
 class Shadow:
     grammar: Any
+    req_id: str = ""
+    # xgrammar's GrammarMatcher under the grammar (the fast path: one C++
+    # call per token, vLLM's wrapper bypassed for the shadow's whole life so
+    # its counters never disagree); None: the backend-neutral vLLM API.
+    matcher: Any = None
     # Tokens walked forward while drafting in this step (rolled back after).
     walked: int = 0
     # Still walking in this step (False after the grammar ended or refused).
     walking: bool = True
+    # First draft position of this step the walk changed (the cost model's
+    # counterfactual: without the feature, nothing after it is accepted).
+    changed_at: int | None = None
+
+
+def _matcher_of(grammar: Any) -> Any:
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    return grammar.matcher if isinstance(grammar, XgrammarGrammar) else None
+
+
+def _ended(sh: Shadow) -> bool:
+    return sh.matcher.is_terminated() if sh.matcher is not None \
+        else sh.grammar.is_terminated()
+
+
+def _try(sh: Shadow, token: int) -> bool:
+    """Advance the shadow by `token` if its grammar allows it there; a
+    refusal changes nothing (and logs nothing)."""
+    if sh.matcher is not None:
+        return bool(sh.matcher.accept_token(token))
+    return _accepts(sh.grammar, sh.req_id, [token])
+
+
+def _try_all(sh: Shadow, tokens: list[int]) -> bool:
+    """Advance by every token, or (refused) leave the shadow where it was."""
+    if sh.matcher is None:
+        return _accepts(sh.grammar, sh.req_id, tokens)
+    for n, token in enumerate(tokens):
+        if not sh.matcher.accept_token(token):
+            if n:
+                sh.matcher.rollback(n)
+            return False
+    return True
+
+
+def _rollback(sh: Shadow, n: int) -> None:
+    if sh.matcher is not None:
+        sh.matcher.rollback(n)
+    else:
+        sh.grammar.rollback(n)
+
+
+def _fill(t: "Tracker", shadows: list[Shadow], bitmask: Any) -> None:
+    """Row r of `bitmask` = the tokens shadow r allows next: xgrammar's
+    rows in one batched call (no Python per row, GIL released), the others
+    through vLLM's grammar API."""
+    fast = [r for r, sh in enumerate(shadows) if sh.matcher is not None]
+    if len(fast) > 1:
+        import xgrammar as xgr
+
+        if t.batcher is None:
+            t.batcher = xgr.BatchGrammarMatcher(max_threads=BATCH_THREADS)
+        t.batcher.batch_fill_next_token_bitmask(
+            [shadows[r].matcher for r in fast], bitmask, fast)
+    elif fast:
+        shadows[fast[0]].matcher.fill_next_token_bitmask(bitmask, fast[0])
+    for r, sh in enumerate(shadows):
+        if sh.matcher is None:
+            sh.grammar.fill_bitmask(bitmask, r)
 
 
 @dataclass
@@ -129,23 +195,37 @@ class Tracker:
     shadows: dict[str, Shadow] = field(default_factory=dict)
     # req_ids that lost their shadow (stock drafting from then on).
     lost: set[str] = field(default_factory=set)
-    # This step: batch row -> (req_id, shadow); None outside a propose call.
+    # This step: batch row -> (req_id, shadow); None outside a propose call
+    # and in a step the cost model keeps stock.
     rows: dict[int, tuple[str, Shadow]] | None = None
     batch_req_ids: list[str] = field(default_factory=list)
     position: int = 0
     # req_id -> number of drafts worth handing over (drafts after the
     # grammar's end are dropped).
     limits: dict[str, int] = field(default_factory=dict)
+    # req_id -> first draft position the last walk changed (cost model).
+    changed: dict[str, int] = field(default_factory=dict)
+    # Masked-argmax tokens of the previous position still on the device
+    # (shadows, tensor): read with this position's candidates, so a
+    # position costs at most one device-to-host synchronisation.
+    pending: tuple[list[Shadow], Any] | None = None
+    batcher: Any = None
+    cost: Any = None
     stats: dict[str, int] = field(default_factory=lambda: {
         "propose_calls": 0,
         # Draft positions of structured requests drafted under the grammar.
         "positions": 0,
-        # ... of which the grammar allowed one token only (forced draft).
+        # ... where a bitmask was filled because the drafter's candidates
+        # were all refused, and it allowed one token only (forced draft).
         "forced": 0,
         # ... of which the forced token replaced another drafter choice.
         "forced_changed": 0,
-        # ... masked positions where the mask changed the drafter's choice.
+        # ... masked positions where the grammar changed the drafter's choice.
         "masked_changed": 0,
+        # Bitmask rows filled (rows whose candidates were all refused), and
+        # rows beyond the per-position budget (no draft from there on).
+        "fallback_rows": 0,
+        "fallback_capped": 0,
         # Requests whose drafting stopped at the grammar's end.
         "ended": 0,
         # Drafts dropped after the grammar's end.
@@ -153,6 +233,17 @@ class Tracker:
         # Shadows built / lost (out of step: stock drafting from then on).
         "shadows": 0,
         "shadows_lost": 0,
+        # Device traffic the feature adds (bytes; synchronisations: reads
+        # the host waits for).
+        "h2d_bytes": 0,
+        "d2h_bytes": 0,
+        "d2h_syncs": 0,
+        # Draft tokens accepted thanks to a changed draft (cost model).
+        "gain_tokens": 0,
+        # Thread CPU time of the tensor work the feature adds on the
+        # logits' device (top-k, gathers, the masked argmax), ns: on a GPU
+        # host that part runs on the GPU, not in the hooks' CPU time.
+        "device_ns": 0,
     })
 
     @property
@@ -170,8 +261,13 @@ def tracker(drafter: Any) -> Tracker | None:
         return t if not t.reason_off else None
     from vllm_patch import envs
 
+    from vllm_patch.v1.spec_decode.draft_cost import DraftCost
+
     s = envs.settings()
     t = Tracker(masked=s.masked_drafts, forced=s.forced_drafts)
+    on_cpu = str(getattr(drafter, "device", "cpu")).startswith("cpu")
+    t.cost = DraftCost(enabled=s.draft_cost_model,
+                       sync_ns=0.0 if on_cpu else s.draft_sync_us * 1e3)
     drafter.__dict__[TRACKER_ATTR] = t
     if not (t.masked or t.forced):
         t.reason_off = "off by switch"
@@ -308,6 +404,13 @@ def _compile(t: Tracker, drafter: Any, req_id: str, params: Any) -> Any:
                                    stop_token_ids=params.all_stop_token_ids)
 
 
+def wants_tokens(drafter: Any) -> bool:
+    """The runner hook asks before it reads the step's sampled tokens (a
+    device-to-host copy): False when the feature is off here or dormant."""
+    t = tracker(drafter)
+    return t is not None and not t.cost.dormant()
+
+
 def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
             sampled: Sequence[Sequence[int]], skip: Sequence[bool],
             outputs_include_step: bool = False) -> None:
@@ -316,16 +419,23 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     shadows for new requests (caught up with their earlier outputs).
     `skip[i]`: row i committed nothing (a partial prefill).
     `outputs_include_step`: the runner's bookkeeping already appended this
-    step's tokens to the request state (drafting on CPU tokens)."""
+    step's tokens to the request state (drafting on CPU tokens).
+    Also where the cost model learns what the last drafting step gained."""
     t = tracker(drafter)
     if t is None:
         return
+    t0 = time.thread_time_ns()
     t.batch_req_ids = list(req_ids)
     live = set(requests)
     for req_id in [r for r in t.shadows if r not in live]:
         del t.shadows[req_id]
     t.lost &= live
+    changed, t.changed = t.changed, {}
+    batch_tokens = gain = 0
     for i, req_id in enumerate(req_ids):
+        tokens = [int(x) for x in sampled[i] if int(x) >= 0] \
+            if i < len(sampled) else []
+        batch_tokens += len(tokens)
         if req_id is None or (i < len(skip) and skip[i]):
             continue
         state = requests.get(req_id)
@@ -333,8 +443,6 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         if getattr(params, "structured_outputs", None) is None \
                 or req_id in t.lost:
             continue
-        tokens = [int(x) for x in sampled[i] if int(x) >= 0] \
-            if i < len(sampled) else []
         shadow = t.shadows.get(req_id)
         if shadow is None:
             earlier = list(getattr(state, "output_token_ids", ()))
@@ -352,18 +460,25 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
             if grammar is None:
                 t.lost.add(req_id)
                 continue
-            shadow = t.shadows[req_id] = Shadow(grammar)
+            shadow = t.shadows[req_id] = Shadow(grammar, req_id,
+                                                _matcher_of(grammar))
             t.stats["shadows"] += 1
             tokens = earlier if outputs_include_step else earlier + tokens
-        if tokens and (shadow.grammar.is_terminated()
-                       or not _accepts(shadow.grammar, req_id, tokens)):
+        elif req_id in changed and len(tokens) > 1:
+            # Accepted drafts (the last token is the target's own) after
+            # the first changed position: stock would have rejected there.
+            gain += max(0, len(tokens) - 1 - changed[req_id])
+        if tokens and (_ended(shadow) or not _try_all(shadow, tokens)):
             del t.shadows[req_id]
             t.lost.add(req_id)
             t.stats["shadows_lost"] += 1
+    t.stats["gain_tokens"] += gain
+    t.cost.observe(batch_tokens, gain)
+    t.cost.charge(t0)
 
 
 def _accepts(grammar: Any, req_id: str, tokens: list[int]) -> bool:
-    """Advance a shadow by `tokens` if its grammar accepts them all.
+    """Advance a vLLM grammar by `tokens` if it accepts them all.
     Checked first with validate_tokens (which advances nothing): a refusal
     is expected here (a shadow out of step, an unmasked draft), and
     xgrammar's accept_tokens logs it as an ERROR asking to file an issue."""
@@ -373,25 +488,36 @@ def _accepts(grammar: Any, req_id: str, tokens: list[int]) -> bool:
 
 
 def begin(drafter: Any, batch_size: int) -> None:
-    """Start of drafter.propose: which rows draft under a grammar."""
+    """Start of drafter.propose: which rows draft under a grammar (none in
+    a step the cost model keeps stock)."""
     t = tracker(drafter)
     if t is None:
         return
+    t0 = time.thread_time_ns()
     t.stats["propose_calls"] += 1
     t.position = 0
     t.limits = {}
+    t.pending = None
     rows: dict[int, tuple[str, Shadow]] = {}
     if len(t.batch_req_ids) == batch_size:
         for i, req_id in enumerate(t.batch_req_ids):
             shadow = t.shadows.get(req_id)
             if shadow is not None:
                 shadow.walked = 0
-                shadow.walking = not shadow.grammar.is_terminated()
+                shadow.changed_at = None
+                shadow.walking = not _ended(shadow)
                 if shadow.walking:
                     rows[i] = (req_id, shadow)
                 else:
                     t.limits[req_id] = 0
+    k = int(getattr(drafter, "num_speculative_tokens", 1) or 1)
+    if rows and not t.cost.decide(len(rows), k):
+        rows = {}
+        if t.cost.regime == "dormant":
+            t.lost |= set(t.shadows)
+            t.shadows.clear()
     t.rows = rows or None
+    t.cost.charge(t0)
 
 
 def end(drafter: Any) -> None:
@@ -400,12 +526,17 @@ def end(drafter: Any) -> None:
     t = drafter.__dict__.get(TRACKER_ATTR)
     if t is None or t.rows is None:
         return
-    for _, shadow in t.rows.values():
+    t0 = time.thread_time_ns()
+    for req_id, shadow in t.rows.values():
         if shadow.walked:
-            shadow.grammar.rollback(shadow.walked)
+            _rollback(shadow, shadow.walked)
         shadow.walked = 0
+        if shadow.changed_at is not None:
+            t.changed[req_id] = shadow.changed_at
     t.rows = None
+    t.pending = None
     t.batch_req_ids = []
+    t.cost.charge(t0)
 
 
 def take_limits(drafter: Any) -> dict[str, int]:
@@ -435,7 +566,8 @@ def trim_drafts(out: Any, limits: dict[str, int], stats: dict | None = None) -> 
 
 
 def allowed_mask(bitmask: Any, vocab: int) -> Any:
-    """Bool [rows, vocab] from int32 [rows, words] grammar bitmask words."""
+    """Bool [rows, vocab] from int32 [rows, words] grammar bitmask words
+    (for tests and tools; the drafting path never expands a bitmask)."""
     import torch
 
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
@@ -448,75 +580,321 @@ def allowed_mask(bitmask: Any, vocab: int) -> Any:
     return bits[:, :vocab]
 
 
+# --------------------------------------------------------------------------
+# One draft position.
+#
+# The drafter's logits stay where they are (the GPU on a GPU host). Per
+# position, for the structured rows that still walk their grammar:
+# 1. candidates: the drafter's own choice (stock's argmax, kept for every
+#    row) and, with masked drafts, its next best tokens (top-CANDIDATES):
+#    one small read to the host;
+# 2. each row takes the first candidate its shadow accepts (a grammar
+#    accept is one C++ call of about a microsecond whatever the vocabulary:
+#    no bitmask is filled for it);
+# 3. only rows that refuse every candidate get a bitmask (filled in one
+#    batched call, at most FALLBACK_BYTES_PER_STEP of them per step): none
+#    allowed, the grammar ended; one, the forced token (known on the host);
+#    several (masked drafts), the argmax among them, computed on the device
+#    with the bitmask applied in place (xgrammar's kernel) to those rows
+#    only, and read with the next position's candidates;
+# 4. the rows whose token changed are written back in one small copy.
+# On a CPU device the candidates beyond the drafter's choice are only
+# computed for the rows that refused it (reads cost nothing there, top-k
+# over the vocabulary does).
+# --------------------------------------------------------------------------
+
+CANDIDATES = 8
+# Budget of bitmask rows copied to the device per step (the fallback rows).
+FALLBACK_BYTES_PER_STEP = 1 << 20
+BATCH_THREADS = 1
+# None: top-k candidates up front on an accelerator, lazily on the CPU;
+# True / False forces one path (the cost benchmark models a GPU with it).
+CANDIDATES_UPFRONT: bool | None = None
+
+
+def _to_host(t: Tracker, tensor: Any) -> list:
+    t.stats["d2h_syncs"] += 1
+    t.stats["d2h_bytes"] += tensor.numel() * tensor.element_size()
+    return tensor.tolist()
+
+
+def _to_device(t: Tracker, values: list[int], device: Any) -> Any:
+    import torch
+
+    out = torch.tensor(values, dtype=torch.long)
+    t.stats["h2d_bytes"] += out.numel() * out.element_size()
+    return out.to(device, non_blocking=True) if str(device) != "cpu" else out
+
+
 def sample(drafter: Any, original: Any, hidden_states: Any,
            sampling_metadata: Any) -> Any:
     """`_sample_draft_tokens` under the grammar for this position."""
-    import torch
-
     t = drafter.__dict__.get(TRACKER_ATTR)
     if t is None or t.rows is None or t.reason_off:
         return original(drafter, hidden_states, sampling_metadata)
+    t0 = time.thread_time_ns()
     pos = t.position
     t.position += 1
-    rows = [(i, req_id, sh) for i, (req_id, sh) in t.rows.items() if sh.walking]
-    if not rows or hidden_states.shape[0] <= max(i for i, _, _ in rows):
+    rows = [(i, sh) for i, (_, sh) in t.rows.items() if sh.walking]
+    if not rows or hidden_states.shape[0] <= max(i for i, _ in rows):
+        t.cost.charge(t0)
         return original(drafter, hidden_states, sampling_metadata)
-    index = [i for i, _, _ in rows]
-    # Bitmask words as the scheduler allocates them (model vocabulary).
-    vocab_model = int(drafter.vllm_config.model_config.get_vocab_size())
-    words = (vocab_model + 31) // 32
-    masks = torch.full((len(rows), words), -1, dtype=torch.int32)
-    for r, (_, _, sh) in enumerate(rows):
-        sh.grammar.fill_bitmask(masks, r)
     probabilistic = (getattr(drafter, "_enable_probabilistic_draft_probs", False)
                      and not sampling_metadata.all_greedy)
-    if t.masked:
-        logits = drafter.model.compute_logits(hidden_states)
-        vocab = logits.shape[-1]
-        allowed = allowed_mask(masks, vocab).to(logits.device)
-        idx = torch.tensor(index, device=logits.device)
-        before = logits[idx].argmax(dim=-1)
-        sub = logits[idx].masked_fill(~allowed, float("-inf"))
-        logits[idx] = sub
-        if probabilistic:
-            ids, probs = drafter._sample_from_logits(logits, sampling_metadata)
-        else:
-            ids, probs = logits.argmax(dim=-1), None
-        chosen = ids[idx].tolist()
-        t.stats["masked_changed"] += sum(
-            int(a != b) for a, b in zip(before.tolist(), chosen))
-        counts = allowed.sum(dim=-1).tolist()
-    else:
+    vocab_model = int(drafter.vllm_config.model_config.get_vocab_size())
+    k = int(getattr(drafter, "num_speculative_tokens", 1) or 1)
+    if probabilistic:
+        if t.masked:
+            logits = drafter.model.compute_logits(hidden_states)
+            ids, probs = _sample_masked(t, drafter, logits, rows, pos,
+                                        vocab_model, sampling_metadata)
+            t.cost.charge(t0)
+            return ids, probs
         ids, probs = original(drafter, hidden_states, sampling_metadata)
-        allowed = allowed_mask(masks, vocab_model)
-        counts = allowed.sum(dim=-1).tolist()
-        chosen = ids[torch.tensor(index, device=ids.device)].tolist()
-    for r, (i, req_id, sh) in enumerate(rows):
+        _walk(t, None, ids, probs, rows, pos, vocab_model, k)
+    else:
+        logits = drafter.model.compute_logits(hidden_states)
+        ids, probs = logits.argmax(dim=-1), None
+        _walk(t, logits, ids, None, rows, pos, vocab_model, k)
+    t.cost.charge(t0)
+    return ids, probs
+
+
+def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
+          rows: list[tuple[int, Shadow]], pos: int, vocab_model: int,
+          k: int) -> None:
+    """Steps 1-4 above; `ids` (and `probs`, one-hot at a forced token) are
+    changed in place. `logits` None: the drafter sampled (forced drafts
+    only, no masking)."""
+    import torch
+
+    device = ids.device
+    masked = t.masked and logits is not None
+    m = min(CANDIDATES, vocab_model) if masked else 1
+    upfront = CANDIDATES_UPFRONT if CANDIDATES_UPFRONT is not None \
+        else device.type != "cpu"
+    index = [i for i, _ in rows]
+    idx = _to_device(t, index, device)
+    # 1. candidates (and the previous position's masked argmax tokens).
+    d0 = time.thread_time_ns()
+    if upfront and m > 1:
+        cand_dev = logits[idx].topk(m, dim=-1).indices
+    else:
+        cand_dev = ids[idx].unsqueeze(1)
+    t.stats["device_ns"] += time.thread_time_ns() - d0
+    pending, t.pending = t.pending, None
+    parts = [cand_dev.reshape(-1)]
+    if pending is not None:
+        parts.append(pending[1].reshape(-1))
+    flat = _to_host(t, torch.cat(parts) if len(parts) > 1 else parts[0])
+    width = cand_dev.shape[1]
+    cands = [flat[r * width:(r + 1) * width] for r in range(len(rows))]
+    if pending is not None:
+        for sh, token in zip(pending[0], flat[len(rows) * width:]):
+            if not _try(sh, int(token)):
+                sh.walking = False
+                continue
+            sh.walked += 1
+            if _ended(sh):
+                sh.walking = False
+                t.limits[sh.req_id] = pos
+                t.stats["ended"] += 1
+    live = [r for r, (_, sh) in enumerate(rows) if sh.walking]
+    # 2. the first candidate each shadow accepts.
+    chosen: dict[int, int] = {}
+    by_mask: set[int] = set()  # chosen among the drafter's next best
+    stuck: set[int] = set()  # chosen, but the shadow did not advance
+    todo: list[int] = []
+    for r in live:
+        if _try(rows[r][1], int(cands[r][0])):
+            chosen[r] = int(cands[r][0])
+        else:
+            todo.append(r)
+    if todo and m > 1:
+        if not upfront:
+            d0 = time.thread_time_ns()
+            top = logits[_to_device(t, [index[r] for r in todo],
+                                    device)].topk(m, dim=-1).indices
+            t.stats["device_ns"] += time.thread_time_ns() - d0
+            more = _to_host(t, top)
+            for r, row in zip(todo, more):
+                cands[r] = row
+        left = []
+        for r in todo:
+            token = next((int(c) for c in cands[r][1:]
+                          if _try(rows[r][1], int(c))), None)
+            if token is None:
+                left.append(r)
+            else:
+                chosen[r] = token
+                by_mask.add(r)
+        todo = left
+    # 3. a bitmask only for rows that refused every candidate.
+    masked_rows: list[int] = []
+    if todo:
+        import numpy as np
+
+        words = (vocab_model + 31) // 32
+        cap = max(1, FALLBACK_BYTES_PER_STEP // (max(k, 1) * words * 4))
+        if len(todo) > cap:
+            for r in todo[cap:]:
+                rows[r][1].walking = False  # the drafter's token stays
+            t.stats["fallback_capped"] += len(todo) - cap
+            todo = todo[:cap]
+        t.stats["fallback_rows"] += len(todo)
+        bitmask = torch.full((len(todo), words), -1, dtype=torch.int32)
+        _fill(t, [rows[r][1] for r in todo], bitmask)
+        words_np = bitmask.numpy().view(np.uint32)
+        counts = np.bitwise_count(words_np).sum(axis=1)
+        for j, r in enumerate(todo):
+            sh = rows[r][1]
+            if counts[j] == 0:
+                sh.walking = False  # nothing allowed: ended
+                t.limits[sh.req_id] = pos
+                t.stats["ended"] += 1
+            elif counts[j] == 1:
+                t.stats["forced"] += 1
+                w = int(np.flatnonzero(words_np[j])[0])
+                token = 32 * w + int(words_np[j, w]).bit_length() - 1
+                if t.forced:
+                    # The only token the grammar allows is the draft, also
+                    # where the shadow will not take it (guidance's stopped
+                    # matcher allows EOS and accepts nothing): then the
+                    # walk stops there.
+                    chosen[r] = token
+                    t.stats["forced_changed"] += 1
+                    if not _try(sh, token):
+                        stuck.add(r)
+                else:
+                    sh.walking = False
+            elif masked:
+                masked_rows.append(j)
+            else:
+                sh.walking = False  # the drafter left the grammar
+        if masked_rows:
+            _masked_argmax(t, logits, ids, bitmask, rows, todo, masked_rows,
+                           index, pos, k, vocab_model, defer=upfront)
+    # 4. write back the chosen tokens (all of them: with top-k candidates
+    # the first may differ from the argmax on a tie), count what changed.
+    if chosen:
+        at = _to_device(t, [index[r] for r in chosen], device)
+        values = _to_device(t, list(chosen.values()), device).to(ids.dtype)
+        d0 = time.thread_time_ns()
+        ids[at] = values
+        t.stats["device_ns"] += time.thread_time_ns() - d0
+    for r, token in chosen.items():
+        sh = rows[r][1]
         t.stats["positions"] += 1
-        token = int(chosen[r])
-        if counts[r] == 1:
-            t.stats["forced"] += 1
-            forced = int(allowed[r].nonzero()[0, 0])
-            if t.forced and forced != token:
-                t.stats["forced_changed"] += 1
-                ids[i] = forced
-                if probs is not None:
-                    probs[i].zero_()
-                    probs[i, forced] = 1.0
-                token = forced
-        elif counts[r] == 0:
-            # Nothing allowed (ended): no draft from here on.
+        if r in stuck:
             sh.walking = False
-            t.limits[req_id] = pos
+        else:
+            sh.walked += 1
+        if token != int(cands[r][0]):
+            if r in by_mask:
+                t.stats["masked_changed"] += 1
+            if sh.changed_at is None:
+                sh.changed_at = pos
+            if probs is not None:
+                probs[index[r]] = 0.0
+                probs[index[r], token] = 1.0
+        if sh.walking and _ended(sh):
+            sh.walking = False
+            t.limits[sh.req_id] = pos + 1
+            t.stats["ended"] += 1
+
+
+def _masked_argmax(t: Tracker, logits: Any, ids: Any, bitmask: Any,
+                   rows: list[tuple[int, Shadow]], todo: list[int],
+                   masked_rows: list[int], index: list[int], pos: int,
+                   k: int, vocab_model: int, defer: bool) -> None:
+    """The argmax of the drafter's logits among the tokens the grammar
+    allows, for the rows listed, on the logits' device; written into `ids`.
+    `defer` (the accelerator path): the tokens are read with the next
+    position's candidates (one synchronisation per position), and after
+    the last position not at all (nothing depends on them); else now."""
+    import torch
+    import xgrammar as xgr
+
+    device = logits.device
+    sel = [todo[j] for j in masked_rows]
+    at = _to_device(t, [index[r] for r in sel], device)
+    d0 = time.thread_time_ns()
+    sub = logits[at].float()
+    mask = bitmask[torch.tensor(masked_rows)]
+    if device.type != "cpu":
+        t.stats["h2d_bytes"] += mask.numel() * mask.element_size()
+        mask = mask.pin_memory().to(device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(sub, mask, vocab_size=min(
+        vocab_model, sub.shape[-1]))
+    if sub.shape[-1] > vocab_model:
+        sub[:, vocab_model:] = float("-inf")
+    tokens = sub.argmax(dim=-1)
+    ids[at] = tokens.to(ids.dtype)
+    t.stats["device_ns"] += time.thread_time_ns() - d0
+    shadows = [rows[r][1] for r in sel]
+    t.stats["masked_changed"] += len(sel)
+    t.stats["positions"] += len(sel)
+    for sh in shadows:
+        if sh.changed_at is None:
+            sh.changed_at = pos
+    if not defer:
+        for sh, token in zip(shadows, _to_host(t, tokens)):
+            if not _try(sh, int(token)):
+                sh.walking = False
+                continue
+            sh.walked += 1
+            if _ended(sh):
+                sh.walking = False
+                t.limits[sh.req_id] = pos + 1
+                t.stats["ended"] += 1
+    else:
+        t.pending = (shadows, tokens)  # end() drops it after the last one
+
+
+def _sample_masked(t: Tracker, drafter: Any, logits: Any,
+                   rows: list[tuple[int, Shadow]], pos: int, vocab_model: int,
+                   sampling_metadata: Any) -> Any:
+    """Probabilistic drafting: the structured rows' draft distribution is
+    the masked, renormalised one (the rejection sampler needs the
+    probabilities the draft was drawn from), so their bitmasks are filled
+    and applied on the device before vLLM's own draft sampling."""
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+
+    device = logits.device
+    words = (vocab_model + 31) // 32
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    _fill(t, [sh for _, sh in rows], bitmask)
+    t.stats["fallback_rows"] += len(rows)
+    counts = np.bitwise_count(bitmask.numpy().view(np.uint32)).sum(axis=1)
+    index = [i for i, _ in rows]
+    mask = bitmask
+    if device.type != "cpu":
+        t.stats["h2d_bytes"] += mask.numel() * mask.element_size()
+        mask = mask.pin_memory().to(device, non_blocking=True)
+    xgr.apply_token_bitmask_inplace(logits, mask, indices=index,
+                                    vocab_size=min(vocab_model, logits.shape[-1]))
+    if logits.shape[-1] > vocab_model:
+        logits[_to_device(t, index, device), vocab_model:] = float("-inf")
+    ids, probs = drafter._sample_from_logits(logits, sampling_metadata)
+    chosen = _to_host(t, ids[_to_device(t, index, device)])
+    for (i, sh), token, n in zip(rows, chosen, counts):
+        t.stats["positions"] += 1
+        if n == 0:
+            sh.walking = False
+            t.limits[sh.req_id] = pos
             t.stats["ended"] += 1
             continue
-        if not _accepts(sh.grammar, req_id, [token]):
-            sh.walking = False  # unmasked drafter left the grammar
+        if n == 1:
+            t.stats["forced"] += 1
+        if not _try(sh, int(token)):
+            sh.walking = False
             continue
         sh.walked += 1
-        if sh.grammar.is_terminated():
+        if _ended(sh):
             sh.walking = False
-            t.limits[req_id] = pos + 1
+            t.limits[sh.req_id] = pos + 1
             t.stats["ended"] += 1
     return ids, probs
 
@@ -531,6 +909,8 @@ def stats(worker: Any) -> dict[str, int]:
     out["active"] = int(t is not None and not t.reason_off)
     # 1: this worker compiles its own grammars (multiprocess workers).
     out["worker_local"] = int(t is not None and t.local_manager is not None)
+    if t is not None and t.cost is not None:
+        out.update({f"cost_{k}": v for k, v in t.cost.snapshot().items()})
     return out
 
 
@@ -563,4 +943,21 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
                 "outlines, off with lm-format-enforcer; off with a "
                 "reasoning parser")
         rows.append({"feature": feature, "status": status, "reason": why})
+    any_on = any(r["status"] == "on" for r in rows)
+    if not any_on:
+        status, why = "off", "grammar-aware drafting is off"
+    elif settings.draft_cost_model:
+        status, why = "on", (
+            "per batch and step: drafts under the grammar only while the "
+            "measured gain in accepted drafts exceeds the measured cost in "
+            "step time (host CPU time of the feature + "
+            f"{settings.draft_sync_us:g} us per device synchronisation on a "
+            "GPU); off for 32 steps in a row: dormant (no cost) and re-armed "
+            "for new requests after 256-16384 steps; the live regime is in "
+            "the worker's log and grammar_draft_stats")
+    else:
+        status, why = "off", ("VLLM_PATCH_DRAFT_COST_MODEL=0: every batch "
+                              "drafts under the grammar, whatever it costs")
+    rows.append({"feature": "drafting cost model", "status": status,
+                 "reason": why})
     return rows

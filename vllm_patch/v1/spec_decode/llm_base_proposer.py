@@ -36,13 +36,14 @@ def _make_prepare_padded(original: Any) -> Any:
         out = original(self, sampled_token_ids, requests, gpu_input_batch,
                        discard_request_mask)
         try:
-            if gd.tracker(self) is not None and any(
+            if gd.wants_tokens(self) and any(
                     getattr(getattr(requests.get(r), "sampling_params", None),
                             "structured_outputs", None) is not None
                     for r in gpu_input_batch.req_ids):
                 n = len(gpu_input_batch.req_ids)
+                t = self.__dict__[gd.TRACKER_ATTR]
                 gd.advance(self, requests, gpu_input_batch.req_ids,
-                           sampled_token_ids[:n].tolist(),
+                           gd._to_host(t, sampled_token_ids[:n]),
                            discard_request_mask[:n].tolist())
         except Exception:  # noqa: BLE001 - drafting help must never fail a step
             gd.logger.warning("vllm_patch: grammar-aware drafting failed; "
@@ -60,7 +61,7 @@ def _make_prepare_cpu(original: Any) -> Any:
         out = original(self, sampled_token_ids, requests, gpu_input_batch,
                        num_scheduled_tokens)
         try:
-            if gd.tracker(self) is not None:
+            if gd.wants_tokens(self):
                 gd.advance(self, requests, gpu_input_batch.req_ids,
                            sampled_token_ids,
                            [not ids for ids in sampled_token_ids],

@@ -1,0 +1,91 @@
+"""Grammar-aware drafting's cost model (vllm_patch.v1.spec_decode.draft_cost):
+a batch walks its grammars only while the measured gain in accepted tokens
+beats the measured cost in step time; a feature that keeps not paying goes
+dormant (no cost at all) and re-arms after a back-off.
+
+A feature of the package with no stock counterpart (marker patched_only):
+the stock run has nothing to show."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_patch.v1.spec_decode import draft_cost as dc
+
+pytestmark = [pytest.mark.unit, pytest.mark.patched_only]
+
+
+class Clock:
+    def __init__(self, monkeypatch) -> None:
+        self.now = 0
+        monkeypatch.setattr(dc.time, "perf_counter_ns", lambda: self.now)
+
+
+def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
+           tokens: int, rows: int, host_us_per_row: float,
+           gain_per_row: float) -> list[bool]:
+    """n steps of a batch: decide, spend host time, then observe."""
+    out = []
+    for _ in range(n):
+        if cost.dormant():
+            out.append(False)
+            clock.now += int(step_ms * 1e6)
+            continue
+        on = cost.decide(rows, 4)
+        out.append(on)
+        cost.host_ns += int(rows * host_us_per_row * 1e3)
+        clock.now += int(step_ms * 1e6)
+        cost.observe(tokens, int(round(rows * gain_per_row)) if on else 0)
+    return out
+
+
+def test_runs_until_measured(monkeypatch):
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    assert cost.expected(10, 4) == (1.0, 0.0)
+    assert cost.decide(10, 4) and cost.regime == "on"
+
+
+def test_on_where_gain_beats_cost(monkeypatch):
+    """B=256 structured rows, 2 tokens per row per step, +1 per row from the
+    walk (+50 %), 10 us of host time per row in a 20 ms step (+13 %): on."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=30e3)
+    on = _steps(cost, clock, 50, step_ms=20, tokens=512, rows=256,
+                host_us_per_row=10, gain_per_row=1.0)
+    assert all(on) and cost.regime == "on"
+    gain, c = cost.expected(256, 4)
+    assert gain == pytest.approx(0.5, rel=0.05) and c < gain
+
+
+def test_off_then_dormant_then_rearmed(monkeypatch):
+    """One structured row in a batch of 256 whose drafter already agrees
+    with the grammar (no gain) on a fast GPU step: the syncs alone cost
+    more than it gains, so it turns off, goes dormant, re-arms later."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=30e3)
+    on = _steps(cost, clock, 3, step_ms=10, tokens=512, rows=1,
+                host_us_per_row=5, gain_per_row=0.0)
+    assert on[0]  # measured first
+    on += _steps(cost, clock, dc.DORMANT_AFTER + 5, step_ms=10, tokens=512,
+                 rows=1, host_us_per_row=5, gain_per_row=0.0)
+    assert not any(on[3:]) and cost.regime == "dormant"
+    assert cost.counts["dormant_periods"] == 1
+    first_rearm = cost.rearm_at
+    while cost.dormant():
+        clock.now += 10**7
+    assert cost.step == first_rearm and cost.regime == "on"
+    assert cost.backoff == 2 * dc.BACKOFF_FIRST  # longer next time
+    # Still nothing to gain: dormant again, for twice as long.
+    _steps(cost, clock, dc.DORMANT_AFTER + 2, step_ms=10, tokens=512, rows=1,
+           host_us_per_row=5, gain_per_row=0.0)
+    assert cost.regime == "dormant" and cost.counts["dormant_periods"] == 2
+    assert cost.rearm_at - first_rearm >= 2 * dc.BACKOFF_FIRST
+    assert cost.backoff == 4 * dc.BACKOFF_FIRST
+
+
+def test_disabled_model_always_walks(monkeypatch):
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=False, sync_ns=30e3)
+    on = _steps(cost, clock, 40, step_ms=10, tokens=512, rows=1,
+                host_us_per_row=5, gain_per_row=0.0)
+    assert all(on) and cost.regime == "on"

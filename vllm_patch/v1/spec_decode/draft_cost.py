@@ -1,0 +1,178 @@
+"""Grammar-aware drafting's cost model: a batch drafts under the grammar only
+while the expected gain in accepted tokens exceeds the measured cost.
+
+Both sides are measured on the running worker, per step of its drafter:
+
+- gain: draft tokens the target accepted because the walk changed a draft.
+  A draft is changed only where the drafter's own token is one the grammar
+  refuses (masked drafts, forced tokens), and the target, masked by the
+  committed grammar, rejects such a token for certain; so without the
+  feature the request would have accepted at most up to its first changed
+  position, and every accepted draft after it is gain (exact for greedy
+  targets; an estimate for sampled ones). Per shadowed request per step.
+- cost: this process's thread CPU time in the feature's hooks (advancing
+  the shadows, the walk, the rollback; on a CPU device that includes the
+  device work it adds, such as the candidates' top-k) per shadowed request
+  per step, plus the device-to-host synchronisations it adds (one to read
+  the step's sampled tokens, at most one per draft position) at a modelled
+  price (`VLLM_PATCH_DRAFT_SYNC_US`; 0 when the device is the CPU: there is
+  nothing to wait for). Measured per step, not assumed.
+
+Decision (every step, before drafting): walk the grammar iff
+    rows * gain_per_row / tokens_per_step  >  cost_this_step / step_time
+i.e. the relative gain in tokens per step beats the relative growth of the
+step time (tokens per step and step time are the batch's, measured between
+consecutive steps). Off for a step: the drafts are stock's, the shadows are
+still advanced. Off for `DORMANT_AFTER` steps in a row: the feature goes
+dormant, drops every shadow (no cost at all: the requests in flight draft as
+in stock for the rest of their life) and re-arms after a back-off (256
+steps, doubling up to 16,384 while it keeps going dormant) for the requests
+that arrive afterwards, starting from its last measured gain. The regime
+(`on`, `off`, `dormant`) and the counters are in the drafter's stats and
+in one log line per change of regime.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+# Before anything is measured the feature runs (gain assumed, then measured).
+PRIOR_GAIN_PER_ROW = 1.0
+EMA = 0.1
+DORMANT_AFTER = 32
+BACKOFF_FIRST, BACKOFF_MAX = 256, 16384
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else old + EMA * (new - old)
+
+
+@dataclass
+class DraftCost:
+    enabled: bool
+    sync_ns: float
+    regime: str = "on"
+    step: int = 0
+    # Measured (moving averages).
+    step_ns: float | None = None
+    tokens_per_step: float | None = None
+    cost_per_row_ns: float | None = None
+    # None until measured (PRIOR_GAIN_PER_ROW stands in).
+    gain_per_row: float | None = None
+    # This step's accounting (since the last observe).
+    host_ns: int = 0
+    syncs: int = 0
+    rows: int = 0
+    walked: bool = False
+    last_step_at: int | None = None
+    off_run: int = 0
+    rearm_at: int = 0
+    backoff: int = BACKOFF_FIRST
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "steps_on": 0, "steps_off": 0, "dormant_periods": 0})
+
+    # -- accounting --------------------------------------------------------
+    def charge(self, t0_ns: int) -> None:
+        """Add this thread's CPU time since `t0_ns` (time.thread_time_ns)."""
+        self.host_ns += time.thread_time_ns() - t0_ns
+
+    def observe(self, batch_tokens: int, gain_tokens: int) -> None:
+        """At a step's advance: what the previous step's drafting cost (its
+        rows: those `decide` was asked about) and gained (the accepted
+        drafts this step verified, counted by the caller)."""
+        self.step += 1
+        now = time.perf_counter_ns()
+        if self.last_step_at is not None:
+            self.step_ns = _ema(self.step_ns, float(now - self.last_step_at))
+        self.last_step_at = now
+        if batch_tokens > 0:
+            self.tokens_per_step = _ema(self.tokens_per_step, float(batch_tokens))
+        if self.rows > 0:
+            cost = self.host_ns + self.syncs * self.sync_ns
+            self.cost_per_row_ns = _ema(self.cost_per_row_ns, cost / self.rows)
+            if self.walked:
+                self.gain_per_row = _ema(self.gain_per_row,
+                                         gain_tokens / self.rows)
+        self.host_ns = self.syncs = self.rows = 0
+        self.walked = False
+
+    # -- decisions ---------------------------------------------------------
+    def dormant(self) -> bool:
+        """No shadows at all for now (a cheap check, once per step: while
+        dormant it counts the steps towards re-arming)."""
+        if self.regime != "dormant":
+            return False
+        self.step += 1
+        if self.step < self.rearm_at:
+            return True
+        self.regime, self.off_run = "on", 0
+        # The time since the last step measured is not a step's.
+        self.last_step_at = None
+        logger.info("vllm_patch: grammar-aware drafting re-armed for new "
+                    "structured requests (last measured gain %.2f tokens per "
+                    "request and step)", self.gain_per_row or 0.0)
+        return False
+
+    def expected(self, rows: int, positions: int) -> tuple[float, float]:
+        """(relative gain in tokens per step, relative cost in step time)."""
+        if self.step_ns is None or self.tokens_per_step is None \
+                or self.cost_per_row_ns is None:
+            return 1.0, 0.0  # nothing measured yet: run, and measure
+        per_row = PRIOR_GAIN_PER_ROW if self.gain_per_row is None \
+            else self.gain_per_row
+        gain = rows * per_row / max(self.tokens_per_step, 1.0)
+        cost = (rows * self.cost_per_row_ns + positions * self.sync_ns) \
+            / max(self.step_ns, 1.0)
+        return gain, cost
+
+    def decide(self, rows: int, positions: int) -> bool:
+        """Walk the grammar in this step's drafting?"""
+        self.rows = rows
+        if not self.enabled:
+            self.walked = True
+            self.counts["steps_on"] += 1
+            return True
+        gain, cost = self.expected(rows, positions)
+        on = gain > cost
+        if on:
+            self.off_run = 0
+            self.counts["steps_on"] += 1
+            if self.regime != "on":
+                logger.info("vllm_patch: grammar-aware drafting on again: "
+                            "expected gain %.1f%% of the step's tokens, cost "
+                            "%.1f%% of its time", 100 * gain, 100 * cost)
+            self.regime = "on"
+        else:
+            self.off_run += 1
+            self.counts["steps_off"] += 1
+            if self.regime == "on":
+                logger.info("vllm_patch: grammar-aware drafting off for this "
+                            "batch: expected gain %.1f%% of the step's tokens, "
+                            "cost %.1f%% of its time", 100 * gain, 100 * cost)
+            self.regime = "off"
+            if self.off_run >= DORMANT_AFTER:
+                self.go_dormant()
+        self.walked = on
+        return on
+
+    def go_dormant(self) -> None:
+        self.regime = "dormant"
+        self.rearm_at = self.step + self.backoff
+        self.counts["dormant_periods"] += 1
+        logger.info("vllm_patch: grammar-aware drafting dormant for %d steps "
+                    "(it did not pay for %d steps in a row); requests in "
+                    "flight draft as in stock vLLM", self.backoff, self.off_run)
+        self.backoff = min(2 * self.backoff, BACKOFF_MAX)
+
+    def snapshot(self) -> dict[str, object]:
+        return {"regime": self.regime, **self.counts,
+                "gain_per_row": None if self.gain_per_row is None
+                else round(self.gain_per_row, 3),
+                "cost_per_row_us": None if self.cost_per_row_ns is None
+                else round(self.cost_per_row_ns / 1e3, 1),
+                "step_ms": None if self.step_ns is None
+                else round(self.step_ns / 1e6, 2)}
