@@ -17,9 +17,10 @@ import collections
 import json
 import os
 import time
-from pathlib import Path
 
-SCHEMAS = Path(__file__).resolve().parents[2] / "shared/data/jsonschemabench-dev/schemas"
+from vllm_patch.testing import jsonschemabench
+
+SCHEMAS = jsonschemabench.SCHEMAS
 
 
 def schemas(n: int, backend: str) -> list[tuple[str, dict]]:

@@ -33,7 +33,7 @@ replaces the tier selection (e.g. -m "e2e and not nixl" leaves out the real
 NixlConnector pairs). Results: one JUnit XML per run in .test-results/.
 
 Examples:
-  bash scripts/test.sh --vllm 0.32 --mode patched --tier unit     # ~2 min
+  bash scripts/test.sh --vllm 0.32 --mode patched --tier unit     # ~4 min on 2 idle cores
   bash scripts/test.sh --vllm 0.33 --tier scheduler               # both modes
   bash scripts/test.sh --vllm 0.32 --mode stock -m e2e -k g2      # one file's tests
 EOF

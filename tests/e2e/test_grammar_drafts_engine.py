@@ -2,7 +2,7 @@
 (in-process, sync scheduling; and with its worker in its own process, as
 the OpenAI server runs it), the tiny local model as its own drafter
 (`draft_model` = the target, greedy: the perfect drafter), k = 4, a few real
-JSONSchemaBench schemas (../shared/data/jsonschemabench-dev).
+JSONSchemaBench schemas (vllm_patch.testing.jsonschemabench).
 
 Patched (masked and forced drafts on, the default): greedy outputs are
 token-identical to non-speculative constrained decoding with xgrammar and
@@ -36,14 +36,13 @@ import time
 
 import pytest
 
-from vllm_patch.testing import engine, tiny_model
+from vllm_patch.testing import engine, jsonschemabench, tiny_model
 
 pytestmark = pytest.mark.e2e
 
 K = 4
 MAX_TOKENS = 40
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
-                    "data", "jsonschemabench-dev", "schemas")
+DATA = str(jsonschemabench.SCHEMAS)
 # Real schemas (sorted file names, the first the backend's validator takes).
 NUM_SCHEMAS = 2
 # Greedy non-speculative token ids per backend, shared by the tests of one
@@ -54,7 +53,7 @@ _REFERENCE: dict[str, list[list[int]]] = {}
 def _schemas(backend: str) -> list[dict]:
     files = sorted(glob.glob(os.path.join(DATA, "Github_easy", "*.json")))
     if not files:
-        pytest.skip("../shared/data/jsonschemabench-dev is missing")
+        pytest.skip(jsonschemabench.MISSING)
     out = []
     for f in files:
         schema = json.load(open(f))

@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
+
+from vllm_patch.testing import jsonschemabench
 
 # the first test also waits for the pair to start (minutes on a busy 2-core
 # machine); every request below has its own client timeout
 pytestmark = [pytest.mark.e2e, pytest.mark.patched_only, pytest.mark.timeout(900)]
 
-SCHEMAS = (Path(__file__).resolve().parents[2].parent
-           / "shared" / "data" / "jsonschemabench-dev" / "schemas")
+SCHEMAS = jsonschemabench.SCHEMAS
 GOOD = "Github_trivial/o43979.json"   # FirmwareStatusNotificationRequest: a required enum
 GOOD2 = "Github_trivial/o41662.json"  # a required 10-character string, through a $ref
 REJECTED = "Github_trivial/o25192.json"  # minItems without items: xgrammar refuses it
@@ -38,7 +38,7 @@ REJECTED = "Github_trivial/o25192.json"  # minItems without items: xgrammar refu
 def schema(name: str) -> dict:
     path = SCHEMAS / name
     if not path.exists():
-        pytest.skip(f"JSONSchemaBench sample not found at {SCHEMAS}")
+        pytest.skip(jsonschemabench.MISSING)
     return json.loads(path.read_text())
 
 

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from vllm_patch.testing import soak
+from vllm_patch.testing import jsonschemabench, soak
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -33,7 +33,7 @@ SEED = 0
 
 def test_soak_mix(patched, tmp_path):
     if not soak.load_schemas():
-        pytest.skip(f"JSONSchemaBench sample not found at {soak.SCHEMAS}")
+        pytest.skip(f"no schema at {soak.SCHEMAS}: {jsonschemabench.MISSING}")
     mode = "patched" if patched else "stock"
     args = soak._parser().parse_args(
         ["run", "--out", str(tmp_path), "--mode", mode, "--backend", "xgrammar",

@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from vllm_patch.testing import soak
+from vllm_patch.testing import jsonschemabench, soak
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.unit
 def schemas():
     s = soak.load_schemas()
     if not s:
-        pytest.skip(f"JSONSchemaBench sample not found at {soak.SCHEMAS}")
+        pytest.skip(f"no schema at {soak.SCHEMAS}: {jsonschemabench.MISSING}")
     return s
 
 

@@ -13,7 +13,12 @@
    and not) and checks every answer;
 4. prints the table: valid outputs, tokens after the grammar's end, finish
    reasons, spec-decode accepted vs drafted tokens, KV blocks held at idle,
-   start-up and workload wall time.
+   start-up and workload wall time (`--markdown`: as the README's Markdown
+   table, with the vLLM version and settings it was made with).
+
+The servers' logs are removed with the deployments, except when a deployment
+fails (a progress line then says where they are) or with `--log-dir DIR`
+(kept in DIR/stock and DIR/patched).
 
 Exit code 0 when the patched deployment holds (every output valid, nothing
 after the grammar's end, no KV block held at idle), 1 otherwise.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
 import tempfile
 import time
@@ -47,14 +53,15 @@ def blocks_in_use(dep: Any, role: str) -> int:
     return held
 
 
-def run_mode(mode: str, model: str, workdir: str, requests: list[dict],
-             spec_k: int) -> dict[str, Any]:
+def launch_config(mode: str, model: str, workdir: str, spec_k: int,
+                  log_dir: str | None = None) -> Any:
+    """One mode's deployment. Its logs go to `log_dir`/`mode` when given
+    (kept), else to the deployment's own folder (kept only if it fails):
+    never into `workdir`, which is removed when the demo ends."""
     from vllm_patch.launch.config import LaunchConfig
-    from vllm_patch.launch.deployment import Deployment
-    from vllm_patch.testing import workload as wl
     from vllm_patch.testing.pd_pair import tiny_vllm_args
 
-    cfg = LaunchConfig(
+    return LaunchConfig(
         model=model, served_model_name="tiny", connector="ExampleConnector",
         kv_connector_extra_config={"shared_storage_path": f"{workdir}/{mode}-kv"},
         vllm_args=tiny_vllm_args(model, spec_k=spec_k),
@@ -62,7 +69,16 @@ def run_mode(mode: str, model: str, workdir: str, requests: list[dict],
              "VLLM_PATCH_TEST_FORCE_ASYNC_SCHEDULING": "1",
              "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"},
         router={"host": "127.0.0.1", "port": 0}, max_restarts=0,
-        log_dir=f"{workdir}/{mode}-logs", start_timeout_s=300)
+        log_dir=os.path.join(os.path.abspath(log_dir), mode) if log_dir else None,
+        start_timeout_s=300)
+
+
+def run_mode(mode: str, model: str, workdir: str, requests: list[dict],
+             spec_k: int, log_dir: str | None = None) -> dict[str, Any]:
+    from vllm_patch.launch.deployment import Deployment
+    from vllm_patch.testing import workload as wl
+
+    cfg = launch_config(mode, model, workdir, spec_k, log_dir)
     logger.info("== %s: launching prefill + decode (%s)", mode,
                 "VLLM_PATCH_DISABLE=1" if mode == "stock" else "plugin active")
     t0 = time.monotonic()
@@ -84,7 +100,8 @@ def run_mode(mode: str, model: str, workdir: str, requests: list[dict],
     }
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+def table(rows: list[dict[str, Any]], markdown: bool = False) -> str:
+    """The side-by-side table: aligned text, or Markdown (the README's)."""
     head = ["", *(r["mode"] for r in rows)]
     lines = [
         ("valid structured outputs", [f"{r['valid']} / {r['n']}" for r in rows]),
@@ -96,6 +113,10 @@ def table(rows: list[dict[str, Any]]) -> str:
                                            for r in rows]),
         ("start-up s / workload s", [f"{r['startup']:.0f} / {r['wall']:.0f}" for r in rows]),
     ]
+    if markdown:
+        row = lambda cells: "| " + " | ".join(cells) + " |"  # noqa: E731
+        return "\n".join([row(head), row(["---"] * len(head))]
+                         + [row([k, *v]) for k, v in lines])
     w0 = max(len(k) for k, _ in lines)
     ws = [max(len(head[i + 1]), *(len(v[i]) for _, v in lines)) for i in range(len(rows))]
     fmt = lambda cells: "  ".join(  # noqa: E731
@@ -107,6 +128,25 @@ def table(rows: list[dict[str, Any]]) -> str:
 def holds(row: dict[str, Any]) -> bool:
     return (row["valid"] == row["n"] and row["post"] == 0
             and row["held"] == {"prefill": 0, "decode": 0})
+
+
+def keep_ray_token_in(workdir: str) -> None:
+    """Ray (2.60) turns token authentication on for a new local cluster and,
+    with no token configured, writes one to ~/.ray/auth_token, which stays
+    after the demo (and makes later `ray start --head` clusters use tokens).
+    Give this cluster its own token in the work dir instead, removed with it.
+    A token or mode the user configured is left alone."""
+    if any(os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                                       "RAY_AUTH_TOKEN_PATH")):
+        return
+    import secrets
+
+    path = os.path.join(workdir, "ray-auth-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    # this process, and the Ray processes and actors it starts, read it
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
 
 
 def main(args: argparse.Namespace) -> int:
@@ -127,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-patch-demo-") as workdir:
         logger.info("starting a local Ray cluster")
+        keep_ray_token_in(workdir)
         # Ray's session folder inside the work dir (removed with it);
         # ray.init sets its own SIGTERM handler: put ours back
         ray.init(address="local", include_dashboard=False, log_to_driver=False,
@@ -134,14 +175,21 @@ def main(args: argparse.Namespace) -> int:
         handle_stop_signals()
         try:
             for mode in args.modes:
-                rows.append(run_mode(mode, model, workdir, requests, args.spec_k))
+                rows.append(run_mode(mode, model, workdir, requests, args.spec_k,
+                                     args.log_dir))
         finally:
             ray.shutdown()
             remove_ray_folder(f"{workdir}/ray")
+    import vllm
+
     print()
-    print("P/D on Ray (prefill + decode, ExampleConnector), tiny model, draft_model "
-          f"k={args.spec_k}, xgrammar, async scheduling (forced on the CPU: test-only switch)")
-    print(table(rows))
+    print(f"P/D on Ray (prefill + decode, ExampleConnector), vLLM {vllm.__version__}, "
+          f"tiny model, {len(requests)} requests, draft_model k={args.spec_k}, xgrammar, "
+          "async scheduling (forced on the CPU: test-only switch)")
+    print(table(rows, markdown=args.markdown))
+    if args.log_dir:
+        print("servers' logs kept: " + ", ".join(
+            os.path.join(os.path.abspath(args.log_dir), m) for m in args.modes))
     for r in rows:
         if r["mode"] == "stock" and r["failing"]:
             print(f"stock, first failing request: {r['failing'][0][:300]}")
@@ -162,4 +210,9 @@ def add_parser(sub: Any) -> None:
                    help="send only the first N requests of the workload (default: all 64)")
     p.add_argument("--spec-k", type=int, default=3, help="draft tokens per step")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--markdown", action="store_true",
+                   help="print the table in Markdown (as in the README)")
+    p.add_argument("--log-dir", metavar="DIR",
+                   help="keep the servers' logs in DIR/stock and DIR/patched (default: "
+                        "removed with the deployments, kept only when one fails)")
     p.set_defaults(func=main)

@@ -505,8 +505,8 @@ class Deployment:
                 raise LaunchError(f"not healthy after {timeout_s:.0f} s: {waiting}; last "
                                   f"lines of {inst.status['log']}:\n{tail}")
             if time.monotonic() - last_report >= 10:
-                self._say(f"waiting for {', '.join(waiting)} (vLLM servers take 20-60 s "
-                          "to start on a CPU)")
+                self._say(f"waiting for {', '.join(waiting)} (a vLLM server takes 1-3 "
+                          "min to start on a CPU, more on a busy host)")
                 last_report = time.monotonic()
             time.sleep(1.0)
 

@@ -64,9 +64,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-SCHEMAS = Path(os.environ.get(
-    "VLLM_PATCH_SOAK_SCHEMAS",
-    Path(__file__).resolve().parents[3] / "shared/data/jsonschemabench-dev/schemas"))
+from vllm_patch.testing import jsonschemabench
+
+SCHEMAS = Path(os.environ.get("VLLM_PATCH_SOAK_SCHEMAS", jsonschemabench.SCHEMAS))
 MAX_MODEL_LEN = 512
 MODEL = "tiny"
 REGEXES = [r"[a-z]{2,6}-[0-9]{1,3}", r"(yes|no)( (red|green|blue)){0,3}",

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_patch.testing import tiny_model
+from vllm_patch.testing import jsonschemabench, tiny_model
 from vllm_patch.testing.tiny_model import (
     BOS,
     CHAT_TEMPLATE,
@@ -51,9 +51,9 @@ from vllm_patch.testing.tiny_model import (
     cached_build,
 )
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "jsonschemabench-dev"
-MASKBENCH = DATA / "maskbench"
-SCHEMAS = DATA / "schemas"
+DATA = jsonschemabench.ROOT
+MASKBENCH = jsonschemabench.MASKBENCH
+SCHEMAS = jsonschemabench.SCHEMAS
 
 INSTRUCTION = "Reply with a JSON object that follows this schema: "
 SCHEMA_CHARS = 700  # the prompt carries at most this much of the compact schema
