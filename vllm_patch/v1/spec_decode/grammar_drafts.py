@@ -162,16 +162,19 @@ class Tracker:
         return self.manager_ref() if self.manager_ref is not None else None
 
 
-def tracker(drafter: Any) -> Tracker | None:
+def tracker(drafter: Any, model_free: bool = False) -> Tracker | None:
     """The drafter's tracker, created on first use; None when both switches
-    are off or the feature cannot run here (said once in the log)."""
+    are off or the feature cannot run here (said once in the log).
+    `model_free`: a drafter without a model (ngram, suffix decoding): no
+    logits to mask, so only forced drafts apply (its hooks call this)."""
     t = drafter.__dict__.get(TRACKER_ATTR)
     if t is not None:
         return t if not t.reason_off else None
     from vllm_patch import envs
 
     s = envs.settings()
-    t = Tracker(masked=s.masked_drafts, forced=s.forced_drafts)
+    t = Tracker(masked=s.masked_drafts and not model_free,
+                forced=s.forced_drafts)
     drafter.__dict__[TRACKER_ATTR] = t
     if not (t.masked or t.forced):
         t.reason_off = "off by switch"
@@ -180,7 +183,7 @@ def tracker(drafter: Any) -> Tracker | None:
     so = getattr(config, "structured_outputs_config", None)
     if getattr(so, "reasoning_parser", "") or "":
         t.reason_off = "a reasoning parser is configured"
-    elif not drafter_eligible(drafter):
+    elif not (model_free or drafter_eligible(drafter)):
         t.reason_off = (f"drafter {type(drafter).__name__} is not a "
                         "single-token EAGLE / draft-model drafter")
     if t.reason_off:
