@@ -545,22 +545,33 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
     from vllm_patch.patching import REGISTRY, State
 
     names = [n for n in REGISTRY.patches if n.startswith("grammar-drafts-")]
-    failed = [f"{n}: {REGISTRY.outcomes[n].state.value}"
-              for n in names if n in REGISTRY.outcomes
-              and REGISTRY.outcomes[n].state is not State.APPLIED]
     rows = []
     for feature, on, var in (
             ("forced drafts", settings.forced_drafts, "VLLM_PATCH_FORCED_DRAFTS"),
             ("masked drafts", settings.masked_drafts, "VLLM_PATCH_MASKED_DRAFTS")):
+        # Forced drafts for drafters without a model are one patch of their
+        # own: masked drafts do not need it.
+        mine = [n for n in names if feature == "forced drafts"
+                or n != "grammar-drafts-forced-model-free"]
+        failed = [f"{n}: {REGISTRY.outcomes[n].state.value}"
+                  for n in mine if n in REGISTRY.outcomes
+                  and REGISTRY.outcomes[n].state is not State.APPLIED]
+        drafters = ("with EAGLE / draft-model drafters (a position where the "
+                    "grammar allows one token), ngram and suffix decoding "
+                    "(the grammar's forced continuation, tokenized as the "
+                    "model's tokenizer does, then the drafter's own drafts; "
+                    "xgrammar and guidance: outlines has no forced text)"
+                    if feature == "forced drafts"
+                    else "with EAGLE / draft-model drafters")
         if settings.disable:
             status, why = "off", "VLLM_PATCH_DISABLE=1"
         elif not on:
             status, why = "off", f"{var}=0"
-        elif failed or not names:
+        elif failed or not mine:
             status, why = "not active", "; ".join(failed) or "not registered"
         else:
             status, why = "on", (
-                "with EAGLE / draft-model drafters; in-process worker: the "
+                f"{drafters}; in-process worker: the "
                 "scheduler's grammars; multiprocess workers (the OpenAI "
                 "server): worker-local grammars, xgrammar, guidance or "
                 "outlines, off with lm-format-enforcer; off with a "
