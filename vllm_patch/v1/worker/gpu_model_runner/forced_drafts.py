@@ -91,8 +91,12 @@ def forced_first(runner: Any, scheduler_output: Any,
         return drafts
     backend = t.manager.backend
     tokenizer = getattr(backend, "tokenizer", None) or t.manager.tokenizer
-    k = int(scheduler_output.num_spec_tokens_to_schedule
-            or runner.num_spec_tokens)
+    # The scheduler's draft budget for this step (dynamic speculative
+    # decoding can make it smaller than, or 0 of, the configured k).
+    k = int(getattr(scheduler_output, "num_spec_tokens_to_schedule",
+                    runner.num_spec_tokens))
+    if k <= 0:
+        return drafts
     for key in STATS:
         t.stats.setdefault(key, 0)
     drafts = list(drafts)
