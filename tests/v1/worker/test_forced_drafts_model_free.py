@@ -191,3 +191,83 @@ def test_status_line_names_the_drafters():
     assert forced["status"] == "on" and masked["status"] == "on"
     assert "ngram and suffix decoding" in forced["reason"], forced
     assert "ngram" not in masked["reason"], masked
+
+
+class _SuffixCache:
+    """Stand-in for arctic_inference's SuffixDecodingCache (not installable
+    here: a source package that builds native code and registers its own
+    vLLM plugin): a suffix "tree" that continues the pattern with the text
+    that followed its last token in the request's prompt and outputs."""
+
+    def __init__(self):
+        self.active_requests: set[str] = set()
+        self.cached_requests: set[str] = set()
+        self.tokens: dict[str, list[int]] = {}
+        self.patterns: list[list[int]] = []
+
+    def start_request(self, req_id, prompt):
+        self.active_requests.add(req_id)
+        self.tokens[req_id] = [int(x) for x in prompt]
+
+    def add_active_response(self, req_id, ids):
+        self.tokens[req_id].extend(int(x) for x in ids)
+
+    def stop_request(self, req_id):
+        self.active_requests.discard(req_id)
+
+    def speculate(self, req_id, pattern, max_spec_tokens, max_spec_factor,
+                  min_token_prob):
+        pattern = [int(x) for x in pattern]
+        self.patterns.append(pattern)
+        seen = self.tokens[req_id]
+        last = pattern[-1]
+        for j in range(len(seen) - 2, -1, -1):
+            if seen[j] == last:
+                return SimpleNamespace(token_ids=seen[j + 1:j + 1 + max_spec_tokens])
+        return SimpleNamespace(token_ids=[])
+
+
+def test_suffix_decoding_forced_first(patched):
+    """Suffix decoding (vLLM's SuffixDecodingProposer.propose, a stand-in
+    suffix cache): patched, the row with an example in its prompt drafts
+    the forced continuation, then the tree's continuation after it; stock
+    drafts what the tree continues from `{"`."""
+    from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+
+    h, rids, runner = _setup("xgrammar")
+    drafter = SuffixDecodingProposer.__new__(SuffixDecodingProposer)
+    drafter.num_speculative_tokens = K
+    drafter.max_tree_depth = 24
+    drafter.max_spec_factor = 1.0
+    drafter.min_token_prob = 0.1
+    drafter.max_model_len = h.vllm_config.model_config.max_model_len
+    drafter.suffix_cache = _SuffixCache()
+    no = lambda: False  # noqa: E731
+    spec = SimpleNamespace(method="suffix", use_ngram_gpu=no, use_eagle=no,
+                           uses_draft_model=no)
+    runner.speculative_config = spec
+    runner.drafter = drafter
+    batch = runner.input_batch
+    batch.req_id_to_index = {r: i for i, r in enumerate(rids)}
+    batch.num_prompt_tokens = batch.num_tokens_no_spec - np.array(
+        [len(runner.requests[r].output_token_ids) for r in rids])
+    for rid in rids[:STRUCTURED]:
+        assert h.grammar(rid).accept_tokens(rid, h.encode('{"'))
+    sampled = [list(runner.requests[r].output_token_ids) for r in rids]
+    drafts = _step(runner, sampled)
+    tokenizer = h.structured_output_manager.tokenizer
+    forced = [forced_tokens(h.grammar(rid), runner.requests[rid].output_token_ids,
+                            tokenizer, K) for rid in rids[:STRUCTURED]]
+    valid = [h.grammar(rid).validate_tokens(list(drafts[i]))
+             for i, rid in enumerate(rids[:STRUCTURED])]
+    print(f"\nFORCED-SUFFIX {'patched' if patched else 'stock'}: drafts {drafts}, "
+          f"forced {forced}")
+    if not patched:
+        assert drafts[0] and len(valid[0]) < len(drafts[0]), drafts
+        assert drafts[1] == [], drafts
+        return
+    for i in range(STRUCTURED):
+        assert drafts[i][:len(forced[i])] == forced[i] and valid[i] == drafts[i]
+    assert len(drafts[2]) > len(forced[2]), drafts
+    # The tree was asked again with the forced tokens appended.
+    assert drafter.suffix_cache.patterns[-1][-len(forced[2]):] == forced[2]
