@@ -214,12 +214,15 @@ def tokens_per_step(outs: Any, spec_counts: dict[str, Any]) -> float:
 def benchmark_schemas(backend: str, count: int) -> list[dict]:
     """The first `count` JSONSchemaBench schemas of the shared sample
     (Github_easy, sorted file names) that `backend` takes with compact
-    JSON; [] when ../shared/data/jsonschemabench-dev is missing."""
+    JSON; [] when ../shared/data/jsonschemabench-dev is missing
+    (`VLLM_PATCH_SHARED_DATA` names another data folder, e.g. from a git
+    worktree that has no ../shared beside it)."""
     import glob
     import json
 
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared",
-                        "data", "jsonschemabench-dev", "schemas", "Github_easy")
+    data = os.environ.get("VLLM_PATCH_SHARED_DATA") or os.path.join(
+        os.path.dirname(__file__), "..", "..", "..", "shared", "data")
+    root = os.path.join(data, "jsonschemabench-dev", "schemas", "Github_easy")
     out: list[dict] = []
     for f in sorted(glob.glob(os.path.join(root, "*.json"))):
         with open(f) as fh:
