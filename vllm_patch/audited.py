@@ -81,10 +81,6 @@ DIGESTS: dict[str, dict[str, str]] = {
     _R + "propose_draft_token_ids": {"0.32": "a60269aca9de4e25",
                                      "0.33": "9db461529ab7e17c"},
     _R + "_copy_draft_token_ids_to_cpu": _both("2f68963acce410e6"),
-    "vllm.v1.spec_decode.ngram_proposer:NgramProposer.propose":
-        _both("5ef088718ecb44c2"),
-    "vllm.v1.spec_decode.ngram_proposer:"
-    "_find_longest_matched_ngram_and_propose_tokens": _both("0842856faa1a3cf9"),
     "vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer.propose":
         _both("868f793bd6033330"),
     _RS + "RejectionSampler.forward": {"0.32": "c82e51bdd5a8dc3c",

@@ -174,14 +174,24 @@ def _propose_after(runner: Any, i: int, req_id: str, forced: list[int],
     n = int(batch.num_tokens_no_spec[i])
     method = runner.speculative_config.method
     if method == "ngram":
+        # Not pinned: importing vllm.v1.spec_decode.ngram_proposer imports
+        # numba, and numba imported before a CPU worker starts makes vLLM's
+        # Triton-kernel override scan (triton_utils.dispatcher) fail on an
+        # llvmlite object. Checked here instead: the n-gram matcher vLLM's
+        # NgramProposer.propose drafts each row with,
+        # (tokens, min_n, max_n, max_model_len, k) -> up to k tokens.
         from vllm.v1.spec_decode import ngram_proposer
 
+        find = getattr(ngram_proposer,
+                       "_find_longest_matched_ngram_and_propose_tokens", None)
+        if find is None:
+            return None
         row = batch.token_ids_cpu[i, :n]
         context = np.concatenate([row, np.asarray(forced, dtype=row.dtype)])
         if context.shape[0] >= drafter.max_model_len:
             return []
-        out = ngram_proposer._find_longest_matched_ngram_and_propose_tokens(
-            context, drafter.min_n, drafter.max_n, drafter.max_model_len, room)
+        out = find(context, drafter.min_n, drafter.max_n,
+                   drafter.max_model_len, room)
         return [int(x) for x in out]
     if method == "suffix":
         cache = drafter.suffix_cache
@@ -246,13 +256,6 @@ PATCHES: list[Patch] = [
                 ".propose_draft_token_ids",
                 "its ngram and suffix branches return one list of drafts per "
                 "batch row (input_batch.req_ids order)"),
-            pin("vllm.v1.spec_decode.ngram_proposer:NgramProposer.propose",
-                "drafts row i from token_ids_cpu[i, :num_tokens_no_spec[i]] "
-                "with _find_longest_matched_ngram_and_propose_tokens"),
-            pin("vllm.v1.spec_decode.ngram_proposer:"
-                "_find_longest_matched_ngram_and_propose_tokens",
-                "(tokens, min_n, max_n, max_model_len, k) -> up to k drafts "
-                "following the longest matching suffix n-gram"),
             pin("vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer"
                 ".propose",
                 "speculate(req_id, pattern, max_spec_tokens, "
