@@ -34,6 +34,7 @@ PATCH_MODULES: dict[str, tuple[str, ...]] = {
     "vllm_patch.v1.structured_output.grammar_drafts": ("package",),
     "vllm_patch.v1.spec_decode.llm_base_proposer": ("package",),
     "vllm_patch.v1.worker.gpu_model_runner.g3_drafts": ("G3",),
+    "vllm_patch.v1.worker.gpu_model_runner.forced_drafts": ("package",),
     "vllm_patch.v1.worker.gpu_model_runner.async_output_placeholders": ("package",),
     "vllm_patch.v1.worker.gpu_model_runner.async_output_count_align": ("package",),
     "vllm_patch.v1.worker.gpu_model_runner.cpu_seeded_prefill_rewind": ("package",),

@@ -80,6 +80,9 @@ DIGESTS: dict[str, dict[str, str]] = {
         _both("a3cbd012e32d52c7"),
     _R + "propose_draft_token_ids": {"0.32": "a60269aca9de4e25",
                                      "0.33": "9db461529ab7e17c"},
+    _R + "_copy_draft_token_ids_to_cpu": _both("2f68963acce410e6"),
+    "vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer.propose":
+        _both("868f793bd6033330"),
     _RS + "RejectionSampler.forward": {"0.32": "c82e51bdd5a8dc3c",
                                        "0.33": "5f03339ca632e518"},
     _RS + "rejection_sample": {"0.32": "dd7297cb744d9a77", "0.33": "10358c381d84f8fd"},

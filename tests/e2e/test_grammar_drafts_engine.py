@@ -29,9 +29,7 @@ cut).
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import time
 
 import pytest
@@ -42,7 +40,6 @@ pytestmark = pytest.mark.e2e
 
 K = 4
 MAX_TOKENS = 40
-DATA = str(jsonschemabench.SCHEMAS)
 # Real schemas (sorted file names, the first the backend's validator takes).
 NUM_SCHEMAS = 2
 # Greedy non-speculative token ids per backend, shared by the tests of one
@@ -51,41 +48,10 @@ _REFERENCE: dict[str, list[list[int]]] = {}
 
 
 def _schemas(backend: str) -> list[dict]:
-    files = sorted(glob.glob(os.path.join(DATA, "Github_easy", "*.json")))
-    if not files:
+    out = engine.benchmark_schemas(backend, NUM_SCHEMAS)
+    if not out:
         pytest.skip(jsonschemabench.MISSING)
-    out = []
-    for f in files:
-        schema = json.load(open(f))
-        if backend == "xgrammar":
-            from vllm.v1.structured_output.backend_xgrammar import (
-                has_xgrammar_unsupported_json_features)
-
-            if has_xgrammar_unsupported_json_features(schema):
-                continue
-        try:
-            _validate(backend, schema)
-        except Exception:  # noqa: BLE001 - the backend rejects this schema
-            continue
-        out.append(schema)
-        if len(out) == NUM_SCHEMAS:
-            break
     return out
-
-
-def _validate(backend: str, schema: dict) -> None:
-    import xgrammar as xgr
-
-    if backend == "xgrammar":
-        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    else:
-        import llguidance
-
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(
-            json.dumps(schema), defaults={"whitespace_flexible": False})
-        err = llguidance.LLMatcher.validate_grammar(grammar)
-        if err:
-            raise ValueError(err)
 
 
 def _params(schemas, temperature=0.0):
@@ -143,11 +109,7 @@ def _reference(backend: str, schemas, monkeypatch) -> list[list[int]]:
     return _REFERENCE[backend]
 
 
-def _tokens_per_step(outs, spec_counts) -> float:
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafts = spec_counts["drafts"]
-    steps = drafts + max(0, tokens - spec_counts["accepted"] - drafts)
-    return tokens / max(1, steps)
+_tokens_per_step = engine.tokens_per_step
 
 
 @pytest.mark.timeout(600)

@@ -198,3 +198,62 @@ def tally_completion(counts: Any, ok: bool, c: Any) -> list[str]:
     if c.logprobs is None or len(c.logprobs) != len(c.token_ids):
         bad.append(f"logprob rows {len(c.logprobs or [])} != tokens {len(c.token_ids)}")
     return bad
+
+
+def tokens_per_step(outs: Any, spec_counts: dict[str, Any]) -> float:
+    """Output tokens per target step of `LLM.generate` outputs, with the
+    spec-decode counters of that phase (`counts_delta`): steps = steps with
+    drafts (the engine's draft count) + the tokens not made by those steps
+    (each yields its accepted drafts plus one token)."""
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafts = spec_counts["drafts"]
+    steps = drafts + max(0, tokens - spec_counts["accepted"] - drafts)
+    return tokens / max(1, steps)
+
+
+def benchmark_schemas(backend: str, count: int) -> list[dict]:
+    """The first `count` JSONSchemaBench schemas of the shared sample
+    (Github_easy, sorted file names) that `backend` takes with compact
+    JSON; [] when the sample is missing (`vllm_patch.testing.jsonschemabench`
+    says where it is looked for)."""
+    import glob
+    import json
+
+    from vllm_patch.testing.jsonschemabench import SCHEMAS
+
+    root = str(SCHEMAS / "Github_easy")
+    out: list[dict] = []
+    for f in sorted(glob.glob(os.path.join(root, "*.json"))):
+        with open(f) as fh:
+            schema = json.load(fh)
+        if backend == "xgrammar":
+            from vllm.v1.structured_output.backend_xgrammar import (
+                has_xgrammar_unsupported_json_features)
+
+            if has_xgrammar_unsupported_json_features(schema):
+                continue
+        try:
+            _validate_schema(backend, schema)
+        except Exception:  # noqa: BLE001 - the backend rejects this schema
+            continue
+        out.append(schema)
+        if len(out) == count:
+            break
+    return out
+
+
+def _validate_schema(backend: str, schema: dict) -> None:
+    import json
+
+    if backend == "xgrammar":
+        import xgrammar as xgr
+
+        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    else:
+        import llguidance
+
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False})
+        err = llguidance.LLMatcher.validate_grammar(grammar)
+        if err:
+            raise ValueError(err)

@@ -253,9 +253,11 @@ class Tracker:
         return self.manager_ref() if self.manager_ref is not None else None
 
 
-def tracker(drafter: Any) -> Tracker | None:
+def tracker(drafter: Any, model_free: bool = False) -> Tracker | None:
     """The drafter's tracker, created on first use; None when both switches
-    are off or the feature cannot run here (said once in the log)."""
+    are off or the feature cannot run here (said once in the log).
+    `model_free`: a drafter without a model (ngram, suffix decoding): no
+    logits to mask, so only forced drafts apply (its hooks call this)."""
     t = drafter.__dict__.get(TRACKER_ATTR)
     if t is not None:
         return t if not t.reason_off else None
@@ -264,7 +266,8 @@ def tracker(drafter: Any) -> Tracker | None:
     from vllm_patch.v1.spec_decode.draft_cost import DraftCost
 
     s = envs.settings()
-    t = Tracker(masked=s.masked_drafts, forced=s.forced_drafts)
+    t = Tracker(masked=s.masked_drafts and not model_free,
+                forced=s.forced_drafts)
     on_cpu = str(getattr(drafter, "device", "cpu")).startswith("cpu")
     t.cost = DraftCost(enabled=s.draft_cost_model,
                        sync_ns=0.0 if on_cpu else s.draft_sync_us * 1e3)
@@ -276,7 +279,7 @@ def tracker(drafter: Any) -> Tracker | None:
     so = getattr(config, "structured_outputs_config", None)
     if getattr(so, "reasoning_parser", "") or "":
         t.reason_off = "a reasoning parser is configured"
-    elif not drafter_eligible(drafter):
+    elif not (model_free or drafter_eligible(drafter)):
         t.reason_off = (f"drafter {type(drafter).__name__} is not a "
                         "single-token EAGLE / draft-model drafter")
     if t.reason_off:
@@ -922,22 +925,33 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
     from vllm_patch.patching import REGISTRY, State
 
     names = [n for n in REGISTRY.patches if n.startswith("grammar-drafts-")]
-    failed = [f"{n}: {REGISTRY.outcomes[n].state.value}"
-              for n in names if n in REGISTRY.outcomes
-              and REGISTRY.outcomes[n].state is not State.APPLIED]
     rows = []
     for feature, on, var in (
             ("forced drafts", settings.forced_drafts, "VLLM_PATCH_FORCED_DRAFTS"),
             ("masked drafts", settings.masked_drafts, "VLLM_PATCH_MASKED_DRAFTS")):
+        # Forced drafts for drafters without a model are one patch of their
+        # own: masked drafts do not need it.
+        mine = [n for n in names if feature == "forced drafts"
+                or n != "grammar-drafts-forced-model-free"]
+        failed = [f"{n}: {REGISTRY.outcomes[n].state.value}"
+                  for n in mine if n in REGISTRY.outcomes
+                  and REGISTRY.outcomes[n].state is not State.APPLIED]
+        drafters = ("with EAGLE / draft-model drafters (a position where the "
+                    "grammar allows one token), ngram and suffix decoding "
+                    "(the grammar's forced continuation, tokenized as the "
+                    "model's tokenizer does, then the drafter's own drafts; "
+                    "xgrammar and guidance: outlines has no forced text)"
+                    if feature == "forced drafts"
+                    else "with EAGLE / draft-model drafters")
         if settings.disable:
             status, why = "off", "VLLM_PATCH_DISABLE=1"
         elif not on:
             status, why = "off", f"{var}=0"
-        elif failed or not names:
+        elif failed or not mine:
             status, why = "not active", "; ".join(failed) or "not registered"
         else:
             status, why = "on", (
-                "with EAGLE / draft-model drafters; in-process worker: the "
+                f"{drafters}; in-process worker: the "
                 "scheduler's grammars; multiprocess workers (the OpenAI "
                 "server): worker-local grammars, xgrammar, guidance or "
                 "outlines, off with lm-format-enforcer; off with a "

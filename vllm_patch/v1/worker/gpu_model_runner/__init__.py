@@ -8,6 +8,9 @@ vLLM's CPU build always uses, and the CUDA build's fallback), one file each:
   placeholder fix (`async-output-placeholders-step`);
 - `async_output_count_align`: the runner's token count never stays ahead of
   the scheduler's (`async-output-count-align`);
+- `forced_drafts`: the grammar's forced continuation as the drafts of
+  ngram and suffix decoding for structured requests
+  (`grammar-drafts-forced-model-free`);
 - `cpu_seeded_prefill_rewind`: seeded requests with a prompt prefilled in
   several steps on vLLM's CPU build (`cpu-seeded-prefill-rewind`).
 """
