@@ -24,7 +24,7 @@ import json
 
 import pytest
 
-from vllm_patch.testing import engine
+from vllm_patch.testing import engine, jsonschemabench
 
 pytestmark = pytest.mark.e2e
 
@@ -68,7 +68,7 @@ def _generate(schemas, spec: bool):
 def test_ngram_forced_drafts_engine(inproc, patched):
     schemas = engine.benchmark_schemas("xgrammar", NUM_SCHEMAS)
     if not schemas:
-        pytest.skip("../shared/data/jsonschemabench-dev is missing")
+        pytest.skip(jsonschemabench.MISSING)
     assert len(schemas) == NUM_SCHEMAS
     # The reference first: after an ngram engine (numba loaded) vLLM's CPU
     # worker cannot start another engine in this process (its Triton-kernel

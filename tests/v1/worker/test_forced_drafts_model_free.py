@@ -187,7 +187,7 @@ def test_ngram_shadow_catches_up_after_a_skipped_step(patched):
 def test_status_line_names_the_drafters():
     from vllm_patch import envs
 
-    forced, masked = gd.feature_status(envs.settings())
+    forced, masked, _ = gd.feature_status(envs.settings())
     assert forced["status"] == "on" and masked["status"] == "on"
     assert "ngram and suffix decoding" in forced["reason"], forced
     assert "ngram" not in masked["reason"], masked
