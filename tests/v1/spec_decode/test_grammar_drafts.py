@@ -160,7 +160,12 @@ def test_masked_drafts(backend, where, path, patched, monkeypatch):
             assert want is None or want == got, (rid, d)
     # The regex "abc" walks to its end; the json object is still open.
     stats = gd.stats(drafter)
-    assert stats["positions"] > 0 and stats["forced"] > 0, stats
+    # Forced text comes from the grammar's forced continuation ahead of the
+    # model's drafts (here the regex "abc" and the json's '{"ok":'); a
+    # position with one allowed token the candidates missed is "forced".
+    # (outlines has no forced text: the one-allowed-token rows only.)
+    forced = stats["forced"] if backend == "outlines" else stats["forced_ahead"]
+    assert stats["positions"] > 0 and forced > 0, stats
     if path == "upfront":
         # At most one device-to-host read per draft position (advance is
         # given host lists here: no read of the sampled tokens).
@@ -194,7 +199,7 @@ def test_forced_drafts_without_masking(patched, monkeypatch):
     for want, got in zip(forced, drafts[0]):
         assert want is None or want == got
     s = gd.stats(drafter)
-    assert s["forced_changed"] > 0 and s["masked_changed"] == 0, s
+    assert s["forced_ahead"] >= 3 and s["masked_changed"] == 0, s
 
 
 @pytest.mark.patched_only
@@ -331,3 +336,33 @@ def test_cost_model_keeps_stock_where_it_cannot_win(monkeypatch):
     drafts, _ = _draft(h, drafter, rids, requests, bad)
     assert all(d[0] == bad for d in drafts[:2]) and not t.shadows
     assert gd.stats(drafter)["d2h_syncs"] == 0
+
+
+def test_forced_continuation_ahead_of_model_drafts(patched, monkeypatch):
+    """The grammar's forced text (the object's only key) becomes the first
+    drafts, tokenized as the model's tokenizer writes it, whatever the
+    drafter prefers; stock drafts the drafter's preference."""
+    from vllm_patch.testing.harness import Harness
+
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    h = Harness("xgrammar", num_spec_tokens=K, disable_any_whitespace=True)
+    schema = {"type": "object", "additionalProperties": False,
+              "properties": {"description": {"type": "integer"}},
+              "required": ["description"]}
+    rid = h.add_request(json=schema)
+    h.wait_for_grammar(rid)
+    requests = {rid: SimpleNamespace(
+        sampling_params=h.request(rid).sampling_params, output_token_ids=[])}
+    bad = h.tok("x")
+    drafter = _drafter(h.vllm_config)
+    drafts, _ = _draft(h, drafter, [rid], requests, bad)
+    if not patched:
+        assert drafts[0][0] == bad, drafts
+        return
+    canonical = h.tokenizer.encode('{"description":', add_special_tokens=False)
+    n = min(len(canonical), K)
+    assert drafts[0][:n] == canonical[:n], (drafts, canonical)
+    stats = gd.stats(drafter)
+    assert stats["forced_ahead"] >= n, stats
+    assert h.grammar(rid).validate_tokens(drafts[0]) == drafts[0]

@@ -72,6 +72,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Sequence
 
+from vllm_patch.v1.spec_decode.forced_drafts import CONTEXT_TOKENS
+
 logger = logging.getLogger(__name__)
 
 # Structured-output managers alive in this process (filled by the patch of
@@ -121,6 +123,10 @@ class Shadow:
     # First draft position of this step the walk changed (the cost model's
     # counterfactual: without the feature, nothing after it is accepted).
     changed_at: int | None = None
+    # The last committed tokens (the forced continuation's context).
+    tail: list[int] = field(default_factory=list)
+    # This step's forced continuation (drafts 0..len-1; already walked).
+    forced: list[int] = field(default_factory=list)
 
 
 def _matcher_of(grammar: Any) -> Any:
@@ -155,10 +161,9 @@ def _try_all(sh: Shadow, tokens: list[int]) -> bool:
 
 
 def _rollback(sh: Shadow, n: int) -> None:
-    if sh.matcher is not None:
-        sh.matcher.rollback(n)
-    else:
-        sh.grammar.rollback(n)
+    # Through vLLM's grammar also for xgrammar: its rollback re-reads the
+    # matcher's termination (the forced continuation walks the wrapper).
+    sh.grammar.rollback(n)
 
 
 def _fill(t: "Tracker", shadows: list[Shadow], bitmask: Any) -> None:
@@ -205,6 +210,8 @@ class Tracker:
     limits: dict[str, int] = field(default_factory=dict)
     # req_id -> first draft position the last walk changed (cost model).
     changed: dict[str, int] = field(default_factory=dict)
+    # req_id -> forced-continuation drafts of the last walk.
+    forced_last: dict[str, int] = field(default_factory=dict)
     # Masked-argmax tokens of the previous position still on the device
     # (shadows, tensor): read with this position's candidates, so a
     # position costs at most one device-to-host synchronisation.
@@ -240,6 +247,10 @@ class Tracker:
         "d2h_syncs": 0,
         # Draft tokens accepted thanks to a changed draft (cost model).
         "gain_tokens": 0,
+        # Drafts from the grammar's forced continuation (ahead of the
+        # model's drafts), and how many of them the target accepted.
+        "forced_ahead": 0,
+        "forced_ahead_accepted": 0,
         # Thread CPU time of the tensor work the feature adds on the
         # logits' device (top-k, gathers, the masked argmax), ns: on a GPU
         # host that part runs on the GPU, not in the hooks' CPU time.
@@ -434,6 +445,7 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         del t.shadows[req_id]
     t.lost &= live
     changed, t.changed = t.changed, {}
+    forced_last, t.forced_last = t.forced_last, {}
     batch_tokens = gain = 0
     for i, req_id in enumerate(req_ids):
         tokens = [int(x) for x in sampled[i] if int(x) >= 0] \
@@ -467,14 +479,21 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
                                                 _matcher_of(grammar))
             t.stats["shadows"] += 1
             tokens = earlier if outputs_include_step else earlier + tokens
-        elif req_id in changed and len(tokens) > 1:
+        else:
             # Accepted drafts (the last token is the target's own) after
             # the first changed position: stock would have rejected there.
-            gain += max(0, len(tokens) - 1 - changed[req_id])
+            accepted = max(0, len(tokens) - 1)
+            if req_id in changed:
+                gain += max(0, accepted - changed[req_id])
+            if req_id in forced_last:
+                t.stats["forced_ahead_accepted"] += min(accepted,
+                                                        forced_last[req_id])
         if tokens and (_ended(shadow) or not _try_all(shadow, tokens)):
             del t.shadows[req_id]
             t.lost.add(req_id)
             t.stats["shadows_lost"] += 1
+        elif tokens:
+            shadow.tail = (shadow.tail + tokens)[-CONTEXT_TOKENS:]
     t.stats["gain_tokens"] += gain
     t.cost.observe(batch_tokens, gain)
     t.cost.charge(t0)
@@ -519,8 +538,34 @@ def begin(drafter: Any, batch_size: int) -> None:
         if t.cost.regime == "dormant":
             t.lost |= set(t.shadows)
             t.shadows.clear()
+    for _, shadow in rows.values():
+        shadow.forced = []
+    if rows and t.forced:
+        _forced_ahead(t, rows, k)
     t.rows = rows or None
     t.cost.charge(t0)
+
+
+def _forced_ahead(t: Tracker, rows: dict[int, tuple[str, Shadow]],
+                  k: int) -> None:
+    """The grammar's forced continuation from the committed state, tokenized
+    as the model's tokenizer does (vllm_patch.v1.spec_decode.forced_drafts):
+    each request's first drafts, ahead of the model's. The shadow stands
+    after them (walked)."""
+    from vllm_patch.v1.spec_decode.forced_drafts import forced_tokens
+
+    manager = t.manager
+    tokenizer = getattr(manager, "tokenizer", None) or getattr(
+        getattr(manager, "backend", None), "tokenizer", None)
+    if tokenizer is None:
+        return
+    for req_id, shadow in rows.values():
+        forced = forced_tokens(shadow.grammar, shadow.tail, tokenizer, k,
+                               keep_walked=True, request_id=req_id)
+        if forced:
+            shadow.forced = forced
+            shadow.walked = len(forced)
+            t.stats["forced_ahead"] += len(forced)
 
 
 def end(drafter: Any) -> None:
@@ -536,6 +581,9 @@ def end(drafter: Any) -> None:
         shadow.walked = 0
         if shadow.changed_at is not None:
             t.changed[req_id] = shadow.changed_at
+        if shadow.forced:
+            t.forced_last[req_id] = len(shadow.forced)
+            shadow.forced = []
     t.rows = None
     t.pending = None
     t.batch_req_ids = []
@@ -708,8 +756,13 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
     by_mask: set[int] = set()  # chosen among the drafter's next best
     stuck: set[int] = set()  # chosen, but the shadow did not advance
     todo: list[int] = []
+    ahead: set[int] = set()  # the forced continuation's draft (walked)
     for r in live:
-        if _try(rows[r][1], int(cands[r][0])):
+        sh = rows[r][1]
+        if pos < len(sh.forced):
+            chosen[r] = sh.forced[pos]
+            ahead.add(r)
+        elif _try(sh, int(cands[r][0])):
             chosen[r] = int(cands[r][0])
         else:
             todo.append(r)
@@ -788,10 +841,6 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
     for r, token in chosen.items():
         sh = rows[r][1]
         t.stats["positions"] += 1
-        if r in stuck:
-            sh.walking = False
-        else:
-            sh.walked += 1
         if token != int(cands[r][0]):
             if r in by_mask:
                 t.stats["masked_changed"] += 1
@@ -800,7 +849,15 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             if probs is not None:
                 probs[index[r]] = 0.0
                 probs[index[r], token] = 1.0
-        if sh.walking and _ended(sh):
+        if r in stuck:
+            sh.walking = False
+            continue
+        if r in ahead:
+            if pos + 1 < len(sh.forced):
+                continue  # the shadow already stands after the continuation
+        else:
+            sh.walked += 1
+        if _ended(sh):
             sh.walking = False
             t.limits[sh.req_id] = pos + 1
             t.stats["ended"] += 1
