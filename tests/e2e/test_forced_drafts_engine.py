@@ -64,20 +64,36 @@ def _generate(schemas, spec: bool):
     return outs, counts, stats
 
 
+def _run_child(spec: bool) -> tuple[list[list[int]], dict, list]:
+    """One engine in a child process (this file run as a script): after an
+    ngram engine (numba loaded) vLLM's CPU worker cannot start another
+    engine in the same process (its Triton-kernel override scan fails on
+    an llvmlite object), so no engine may follow it in pytest's own."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    res = subprocess.run([sys.executable, __file__, "spec" if spec else "ref"],
+                         env=env, text=True, capture_output=True, timeout=540)
+    lines = [l for l in res.stdout.splitlines() if l.startswith(_RESULT)]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    out = json.loads(lines[-1][len(_RESULT):])
+    return out["tokens"], out["counts"], out["stats"]
+
+
+_RESULT = "FORCED-DRAFTS-RESULT "
+
+
 @pytest.mark.timeout(600)
 def test_ngram_forced_drafts_engine(inproc, patched):
     schemas = engine.benchmark_schemas("xgrammar", NUM_SCHEMAS)
     if not schemas:
         pytest.skip(jsonschemabench.MISSING)
     assert len(schemas) == NUM_SCHEMAS
-    # The reference first: after an ngram engine (numba loaded) vLLM's CPU
-    # worker cannot start another engine in this process (its Triton-kernel
-    # override scan fails on an llvmlite object).
-    reference = None
-    if patched:
-        reference, _, _ = _generate(schemas, spec=False)
-    outs, counts, stats = _generate(schemas, spec=True)
-    per_step = engine.tokens_per_step(outs, counts)
+    reference = _run_child(spec=False)[0] if patched else None
+    tokens, counts, stats = _run_child(spec=True)
+    per_step = engine.tokens_per_step(tokens, counts)
     print(f"\nFORCED-DRAFTS ngram {'patched' if patched else 'stock'} "
           f"xgrammar k={K}: {per_step:.2f} tokens per step (bar {BAR}), "
           f"spec {counts}, worker {stats}")
@@ -89,5 +105,15 @@ def test_ngram_forced_drafts_engine(inproc, patched):
     assert s["active"] == 1 and s["shadows"] == NUM_SCHEMAS, s
     assert s["forced_drafts"] > 0 and s["shadows_lost"] == 0, s
     assert per_step >= BAR, per_step
-    for got, want in zip(outs, reference):
-        assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    assert tokens == reference
+
+
+if __name__ == "__main__":
+    import sys
+
+    spec = sys.argv[1] == "spec"
+    outs, counts, stats = _generate(
+        engine.benchmark_schemas("xgrammar", NUM_SCHEMAS), spec=spec)
+    print(_RESULT + json.dumps({
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "counts": counts, "stats": stats}), flush=True)

@@ -204,8 +204,10 @@ def tokens_per_step(outs: Any, spec_counts: dict[str, Any]) -> float:
     """Output tokens per target step of `LLM.generate` outputs, with the
     spec-decode counters of that phase (`counts_delta`): steps = steps with
     drafts (the engine's draft count) + the tokens not made by those steps
-    (each yields its accepted drafts plus one token)."""
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    (each yields its accepted drafts plus one token). `outs` may also be
+    the outputs' token id lists."""
+    tokens = sum(len(o) if isinstance(o, list) else len(o.outputs[0].token_ids)
+                 for o in outs)
     drafts = spec_counts["drafts"]
     steps = drafts + max(0, tokens - spec_counts["accepted"] - drafts)
     return tokens / max(1, steps)
