@@ -7,6 +7,8 @@ the real vLLM servers."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -23,26 +25,40 @@ def pytest_collection_modifyitems(items):
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
+def ray_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    # the cluster's session folder in pytest's temp dir, not /tmp/ray
-    temp = str(tmp_path_factory.mktemp("ray"))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False,
-        "temp_dir": temp})
-    cluster.add_node(num_cpus=1, resources={"prefill_node": 1}, labels={"pd-role": "prefill"},
-                     temp_dir=temp)
-    cluster.add_node(num_cpus=1, resources={"decode_node": 1}, labels={"pd-role": "decode"},
-                     temp_dir=temp)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    # The cluster's folders in a short folder of its own, not /tmp/ray: Ray's
+    # socket paths must stay under 107 bytes, and `Cluster` writes the head's
+    # address to $RAY_TMPDIR/ray/ray_current_cluster (default /tmp/ray, which a
+    # clean machine does not have: the head's start then fails).
+    root = tempfile.mkdtemp(prefix="vp-ray-", dir="/tmp")
+    temp = os.path.join(root, "ray")
+    os.makedirs(temp)
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = root
+    cluster = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 1, "resources": {"head_node": 1}, "include_dashboard": False,
+            "temp_dir": temp})
+        cluster.add_node(num_cpus=1, resources={"prefill_node": 1},
+                         labels={"pd-role": "prefill"}, temp_dir=temp)
+        cluster.add_node(num_cpus=1, resources={"decode_node": 1},
+                         labels={"pd-role": "decode"}, temp_dir=temp)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
         yield cluster
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
