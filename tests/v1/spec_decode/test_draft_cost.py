@@ -89,3 +89,56 @@ def test_disabled_model_always_walks(monkeypatch):
     on = _steps(cost, clock, 40, step_ms=10, tokens=512, rows=1,
                 host_us_per_row=5, gain_per_row=0.0)
     assert all(on) and cost.regime == "on"
+
+
+def _verdicts(choice: dc.ForcedAheadChoice, steps: int, *, target_takes_forced: bool,
+              drafter_takes_forced: bool = False, forced=(11, 12), own=(21, 22),
+              k: int = 4) -> list[str]:
+    """Steps of one request at a forced text: the continuation spells it
+    as `forced`, the drafter as `forced` or `own`, the target as `forced`
+    or `own`; after it the drafter drafts what the target takes."""
+    modes = []
+    rest = [30, 31, 32]
+    target = list(forced if target_takes_forced else own) + rest
+    drafter = list(forced if drafter_takes_forced else own) + rest
+    for _ in range(steps):
+        mode = choice.mode()
+        modes.append(mode)
+        choice.tick()
+        drafted = mode == "draft"
+        drafts = (list(forced) + drafter[len(forced):] if drafted else drafter)[:k]
+        accepted = next((j for j in range(k) if drafts[j] != target[j]), k)
+        choice.judge(list(forced) if mode != "skip" else [], drafted, k,
+                     target[:accepted + 1])
+    return modes
+
+
+def test_forced_continuation_yields_to_a_drafter_the_target_agrees_with():
+    choice = dc.ForcedAheadChoice()
+    modes = _verdicts(choice, 40, target_takes_forced=False)
+    assert modes[0] == "draft"  # before any verdict: the continuation drafts
+    assert modes[1:].count("draft") <= 2, modes
+    # Yielding, it is still judged now and then (probe), and stays yielded.
+    assert "probe" in modes and modes[-8:].count("draft") == 0, modes
+    forced_rate, model_rate = choice.rates()
+    assert forced_rate < 0.5 < model_rate, choice.snapshot()
+
+
+def test_forced_continuation_drafts_where_the_target_takes_it():
+    choice = dc.ForcedAheadChoice()
+    assert set(_verdicts(choice, 40, target_takes_forced=True)) == {"draft"}
+
+
+def test_forced_continuation_comes_back_when_the_target_takes_it_again():
+    choice = dc.ForcedAheadChoice()
+    _verdicts(choice, 40, target_takes_forced=False)
+    # Now the target spells the forced text as the continuation does and the
+    # drafter does not: the probes see it and the continuation drafts again.
+    modes = _verdicts(choice, 200, target_takes_forced=True,
+                      drafter_takes_forced=False)
+    assert modes[-50:] == ["draft"] * 50, modes
+
+
+def test_forced_continuation_always_drafts_without_the_cost_model():
+    choice = dc.ForcedAheadChoice(enabled=False)
+    assert set(_verdicts(choice, 20, target_takes_forced=False)) == {"draft"}

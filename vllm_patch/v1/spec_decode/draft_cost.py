@@ -176,3 +176,101 @@ class DraftCost:
                 else round(self.cost_per_row_ns / 1e3, 1),
                 "step_ms": None if self.step_ns is None
                 else round(self.step_ns / 1e6, 2)}
+
+
+# The forced continuation's and the drafter's verdicts: priors (hits,
+# trials) and the per-step decay (half-life about 140 steps).
+PRIOR_FORCED = (2.0, 2.0)
+PRIOR_MODEL = (1.0, 2.0)
+VERDICT_DECAY = 0.995
+# While the continuation yields to the drafter: every this many steps it
+# is still computed (not drafted) and judged against what the target took.
+PROBE_EVERY = 8
+
+
+@dataclass
+class ForcedAheadChoice:
+    """Does the grammar's forced continuation fill a structured request's
+    first draft slots ahead of a model drafter (EAGLE, draft model, MTP)?
+
+    The continuation is the text the grammar forces, in the tokenizer's
+    canonical spelling; a model may spell the same text with other tokens
+    (the grammar allows them all), and a good drafter spells it as the
+    target will. So both sources are judged by the target, position by
+    position, on the worker: the continuation's token at draft position j
+    is a hit if the target took it after the same prefix; the drafter's
+    drafts hit up to the first one the target rejected. The continuation
+    drafts while its rate of hits is at least the drafter's; otherwise it
+    yields (the drafter's masked drafts fill the slots) and is still
+    computed, not drafted, every `PROBE_EVERY` steps, so that it comes
+    back where the target keeps taking it. Exact for greedy targets; for
+    sampled ones an estimate of the same rates.
+    """
+
+    # False (VLLM_PATCH_DRAFT_COST_MODEL=0): always drafted.
+    enabled: bool = True
+    forced_hits: float = PRIOR_FORCED[0]
+    forced_trials: float = PRIOR_FORCED[1]
+    model_hits: float = PRIOR_MODEL[0]
+    model_trials: float = PRIOR_MODEL[1]
+    drafting: bool = True
+    steps_yielded: int = 0
+
+    def rates(self) -> tuple[float, float]:
+        return (self.forced_hits / self.forced_trials,
+                self.model_hits / self.model_trials)
+
+    def mode(self) -> str:
+        """At a step's drafting: 'draft' (the continuation fills the first
+        slots), 'probe' (computed and judged, not drafted) or 'skip'."""
+        forced, model = self.rates()
+        drafting = forced >= model or not self.enabled
+        if drafting != self.drafting:
+            self.drafting = drafting
+            logger.info(
+                "vllm_patch: forced continuation %s the model's drafts: the "
+                "target took %.0f%% of its tokens, %.0f%% of the drafter's",
+                "drafted ahead of" if drafting else "yields to",
+                100 * forced, 100 * model)
+        if drafting:
+            self.steps_yielded = 0
+            return "draft"
+        self.steps_yielded += 1
+        return "probe" if self.steps_yielded % PROBE_EVERY == 1 else "skip"
+
+    def tick(self) -> None:
+        """Once per step, before its verdicts: older verdicts weigh less."""
+        for name in ("forced_hits", "forced_trials", "model_hits",
+                     "model_trials"):
+            setattr(self, name, getattr(self, name) * VERDICT_DECAY)
+        # The priors' trials never decay below a floor (no division by 0).
+        self.forced_trials = max(self.forced_trials, 1e-3)
+        self.model_trials = max(self.model_trials, 1e-3)
+
+    def judge(self, forced: list[int], drafted: bool, drafts: int,
+              tokens: list[int]) -> None:
+        """One request's verdicts for the last drafting step: `forced` its
+        continuation then (drafted in its first slots or only computed),
+        `drafts` the drafts handed over, `tokens` what this step committed
+        for it (the accepted drafts, then the target's own token)."""
+        for j, token in enumerate(forced):
+            if j >= len(tokens):
+                break
+            self.forced_trials += 1
+            if tokens[j] != token:
+                break
+            self.forced_hits += 1
+        accepted = len(tokens) - 1
+        for j in range(len(forced) if drafted else 0, drafts):
+            if j > accepted:
+                break
+            self.model_trials += 1
+            if j == accepted:
+                break
+            self.model_hits += 1
+
+    def snapshot(self) -> dict[str, object]:
+        forced, model = self.rates()
+        return {"drafting": int(self.drafting),
+                "forced_hit_rate": round(forced, 3),
+                "model_hit_rate": round(model, 3)}

@@ -127,6 +127,8 @@ class Shadow:
     tail: list[int] = field(default_factory=list)
     # This step's forced continuation (drafts 0..len-1; already walked).
     forced: list[int] = field(default_factory=list)
+    # ... computed but not drafted (to be judged against the target's).
+    probe: list[int] = field(default_factory=list)
 
 
 def _matcher_of(grammar: Any) -> Any:
@@ -205,13 +207,20 @@ class Tracker:
     rows: dict[int, tuple[str, Shadow]] | None = None
     batch_req_ids: list[str] = field(default_factory=list)
     position: int = 0
+    k: int = 1
     # req_id -> number of drafts worth handing over (drafts after the
     # grammar's end are dropped).
     limits: dict[str, int] = field(default_factory=dict)
     # req_id -> first draft position the last walk changed (cost model).
     changed: dict[str, int] = field(default_factory=dict)
-    # req_id -> forced-continuation drafts of the last walk.
-    forced_last: dict[str, int] = field(default_factory=dict)
+    # req_id -> the last walk's forced continuation (its tokens, drafted or
+    # only computed to be judged) and the drafts handed over.
+    last_walk: dict[str, tuple[list[int], bool, int]] = field(
+        default_factory=dict)
+    # Whether the forced continuation drafts ahead of the model's drafts
+    # (draft_cost.ForcedAheadChoice), and this step's mode.
+    forced_choice: Any = None
+    forced_mode: str = "draft"
     # Masked-argmax tokens of the previous position still on the device
     # (shadows, tensor): read with this position's candidates, so a
     # position costs at most one device-to-host synchronisation.
@@ -251,6 +260,9 @@ class Tracker:
         # model's drafts), and how many of them the target accepted.
         "forced_ahead": 0,
         "forced_ahead_accepted": 0,
+        # ... computed but not drafted, where the continuation yields to
+        # the drafter (the target takes the drafter's spelling more often).
+        "forced_probed": 0,
         # Thread CPU time of the tensor work the feature adds on the
         # logits' device (top-k, gathers, the masked argmax), ns: on a GPU
         # host that part runs on the GPU, not in the hooks' CPU time.
@@ -274,7 +286,8 @@ def tracker(drafter: Any, model_free: bool = False) -> Tracker | None:
         return t if not t.reason_off else None
     from vllm_patch import envs
 
-    from vllm_patch.v1.spec_decode.draft_cost import DraftCost
+    from vllm_patch.v1.spec_decode.draft_cost import (DraftCost,
+                                                       ForcedAheadChoice)
 
     s = envs.settings()
     t = Tracker(masked=s.masked_drafts and not model_free,
@@ -282,6 +295,10 @@ def tracker(drafter: Any, model_free: bool = False) -> Tracker | None:
     on_cpu = str(getattr(drafter, "device", "cpu")).startswith("cpu")
     t.cost = DraftCost(enabled=s.draft_cost_model,
                        sync_ns=0.0 if on_cpu else s.draft_sync_us * 1e3)
+    # Model-free drafters (ngram, suffix decoding) always take the forced
+    # continuation: no model whose spelling could be better.
+    t.forced_choice = None if model_free else ForcedAheadChoice(
+        enabled=s.draft_cost_model)
     drafter.__dict__[TRACKER_ATTR] = t
     if not (t.masked or t.forced):
         t.reason_off = "off by switch"
@@ -445,7 +462,9 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         del t.shadows[req_id]
     t.lost &= live
     changed, t.changed = t.changed, {}
-    forced_last, t.forced_last = t.forced_last, {}
+    last_walk, t.last_walk = t.last_walk, {}
+    if last_walk and t.forced_choice is not None:
+        t.forced_choice.tick()
     batch_tokens = gain = 0
     for i, req_id in enumerate(req_ids):
         tokens = [int(x) for x in sampled[i] if int(x) >= 0] \
@@ -485,9 +504,14 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
             accepted = max(0, len(tokens) - 1)
             if req_id in changed:
                 gain += max(0, accepted - changed[req_id])
-            if req_id in forced_last:
-                t.stats["forced_ahead_accepted"] += min(accepted,
-                                                        forced_last[req_id])
+            walk = last_walk.get(req_id)
+            if walk is not None:
+                forced, drafted, drafts = walk
+                if drafted:
+                    t.stats["forced_ahead_accepted"] += min(accepted,
+                                                            len(forced))
+                if t.forced_choice is not None:
+                    t.forced_choice.judge(forced, drafted, drafts, tokens)
         if tokens and (_ended(shadow) or not _try_all(shadow, tokens)):
             del t.shadows[req_id]
             t.lost.add(req_id)
@@ -532,7 +556,7 @@ def begin(drafter: Any, batch_size: int) -> None:
                     rows[i] = (req_id, shadow)
                 else:
                     t.limits[req_id] = 0
-    k = int(getattr(drafter, "num_speculative_tokens", 1) or 1)
+    k = t.k = int(getattr(drafter, "num_speculative_tokens", 1) or 1)
     if rows and not t.cost.decide(len(rows), k):
         rows = {}
         if t.cost.regime == "dormant":
@@ -540,18 +564,23 @@ def begin(drafter: Any, batch_size: int) -> None:
             t.shadows.clear()
     for _, shadow in rows.values():
         shadow.forced = []
+        shadow.probe = []
+    t.forced_mode = "skip"
     if rows and t.forced:
-        _forced_ahead(t, rows, k)
+        t.forced_mode = t.forced_choice.mode() if t.forced_choice else "draft"
+        if t.forced_mode != "skip":
+            _forced_ahead(t, rows, k, drafted=t.forced_mode == "draft")
     t.rows = rows or None
     t.cost.charge(t0)
 
 
 def _forced_ahead(t: Tracker, rows: dict[int, tuple[str, Shadow]],
-                  k: int) -> None:
+                  k: int, drafted: bool = True) -> None:
     """The grammar's forced continuation from the committed state, tokenized
     as the model's tokenizer does (vllm_patch.v1.spec_decode.forced_drafts):
-    each request's first drafts, ahead of the model's. The shadow stands
-    after them (walked)."""
+    each request's first drafts, ahead of the model's (the shadow stands
+    after them, walked); not `drafted`: only kept to be judged against
+    what the target takes (the shadow is left where it was)."""
     from vllm_patch.v1.spec_decode.forced_drafts import forced_tokens
 
     manager = t.manager
@@ -561,8 +590,11 @@ def _forced_ahead(t: Tracker, rows: dict[int, tuple[str, Shadow]],
         return
     for req_id, shadow in rows.values():
         forced = forced_tokens(shadow.grammar, shadow.tail, tokenizer, k,
-                               keep_walked=True, request_id=req_id)
-        if forced:
+                               keep_walked=drafted, request_id=req_id)
+        if forced and not drafted:
+            shadow.probe = forced
+            t.stats["forced_probed"] += len(forced)
+        elif forced:
             shadow.forced = forced
             shadow.walked = len(forced)
             t.stats["forced_ahead"] += len(forced)
@@ -581,9 +613,11 @@ def end(drafter: Any) -> None:
         shadow.walked = 0
         if shadow.changed_at is not None:
             t.changed[req_id] = shadow.changed_at
-        if shadow.forced:
-            t.forced_last[req_id] = len(shadow.forced)
-            shadow.forced = []
+        t.last_walk[req_id] = (shadow.forced or shadow.probe,
+                               bool(shadow.forced),
+                               t.limits.get(req_id, t.k))
+        shadow.forced = []
+        shadow.probe = []
     t.rows = None
     t.pending = None
     t.batch_req_ids = []
@@ -971,6 +1005,9 @@ def stats(worker: Any) -> dict[str, int]:
     out["worker_local"] = int(t is not None and t.local_manager is not None)
     if t is not None and t.cost is not None:
         out.update({f"cost_{k}": v for k, v in t.cost.snapshot().items()})
+    if t is not None and t.forced_choice is not None:
+        out.update({f"forced_ahead_{k}": v
+                    for k, v in t.forced_choice.snapshot().items()})
     return out
 
 
