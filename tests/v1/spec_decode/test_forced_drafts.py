@@ -158,3 +158,24 @@ def test_keep_walked_and_outlines():
     assert forced_bytes(grammar) == b'"abc def"'
     # A grammar object of another kind: no forced text to ask for.
     assert forced_tokens(object(), [], tok, 8) == []
+
+
+def test_tokenizations_memoized():
+    """The same context + forced text (rows of one schema, step after step)
+    is tokenized once; the memo returns fresh lists equal to the
+    tokenizer's own result."""
+    tok, grammar = _setup("tekken", "xgrammar", PERSON)
+    vocab = vocab_for(grammar, tok)
+    vocab._encoded.clear()
+    calls = []
+    real = vocab.encode
+    vocab.encode = lambda text: calls.append(text) or real(text)
+    try:
+        first = vocab.encode_after('{"name":"')
+        second = vocab.encode_after('{"name":"')
+    finally:
+        vocab.encode = real
+    assert first == second == list(tok.encode('{"name":"', add_special_tokens=False))
+    assert first is not second and len(calls) == 1
+    second.append(-1)
+    assert vocab.encode_after('{"name":"') == first
