@@ -396,6 +396,11 @@ def drafter_eligible(drafter: Any) -> bool:
     full target vocabulary, one row per request and position."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
+    if not isinstance(drafter, SpecDecodeBaseProposer):
+        # Model Runner V2's speculators (their hooks: that module).
+        from vllm_patch.v1.worker.gpu.spec_decode.speculator import eligible
+
+        return eligible(drafter)
     return (isinstance(drafter, SpecDecodeBaseProposer)
             and type(drafter)._greedy_sample is SpecDecodeBaseProposer._greedy_sample
             and not getattr(drafter, "use_local_argmax_reduction", False)
@@ -992,7 +997,8 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
                 or n != "grammar-drafts-forced-model-free"]
         failed = [f"{n}: {REGISTRY.outcomes[n].state.value}"
                   for n in mine if n in REGISTRY.outcomes
-                  and REGISTRY.outcomes[n].state is not State.APPLIED]
+                  and REGISTRY.outcomes[n].state not in (
+                      State.APPLIED, State.NOT_APPLICABLE)]
         drafters = ("with EAGLE / draft-model drafters (a position where the "
                     "grammar allows one token), ngram and suffix decoding "
                     "(the grammar's forced continuation, tokenized as the "
