@@ -76,7 +76,7 @@ def _generate(schemas: list[dict], spec: bool) -> dict:
         counts = engine.counts_delta(engine.spec_decode_counts(llm), before)
         stats = []
         if spec:
-            from vllm_patch.v1.spec_decode.grammar_drafts import (
+            from vllm_patch.v1.worker.gpu.spec_decode.speculator import (
                 grammar_draft_stats)
 
             stats = llm.collective_rpc(grammar_draft_stats)

@@ -271,6 +271,16 @@ def _sample(t: gd.Tracker, spec: Any, hidden_states: Any, idx_mapping: Any,
     return ids
 
 
+def stats(worker: Any) -> dict[str, int]:
+    """grammar_drafts.stats for a V2 worker (its drafter is the runner's
+    `speculator`); for `LLM.collective_rpc(grammar_draft_stats)`."""
+    runner = getattr(worker, "model_runner", worker)
+    return gd.stats(getattr(runner, "speculator", None) or runner)
+
+
+grammar_draft_stats = stats
+
+
 _TARGET = ("vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator"
            ".sample_draft")
 _WHY = ("speculative decoding loses most drafts on structured outputs: "
@@ -316,4 +326,5 @@ PATCHES: list[Patch] = [
 ]
 
 
-__all__ = ["after_sampled", "eligible", "finish", "off", "record_requests"]
+__all__ = ["after_sampled", "eligible", "finish", "grammar_draft_stats", "off",
+           "record_requests", "stats"]
