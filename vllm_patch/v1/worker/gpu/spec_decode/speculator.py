@@ -281,6 +281,33 @@ def stats(worker: Any) -> dict[str, int]:
 grammar_draft_stats = stats
 
 
+def feature_status(settings: Any) -> list[dict[str, str]]:
+    """The status line of grammar-aware drafting on Model Runner V2 for
+    `vllm-patch status`."""
+    from vllm_patch.patching import REGISTRY, State
+
+    names = [n for n in REGISTRY.patches if n.startswith("grammar-drafts-v2-")]
+    failed = [f"{n}: {REGISTRY.outcomes[n].state.value}" for n in names
+              if n in REGISTRY.outcomes and REGISTRY.outcomes[n].state
+              not in (State.APPLIED, State.NOT_APPLICABLE)]
+    if settings.disable:
+        status, why = "off", "VLLM_PATCH_DISABLE=1"
+    elif not (settings.masked_drafts or settings.forced_drafts):
+        status, why = "off", ("VLLM_PATCH_MASKED_DRAFTS=0 and "
+                              "VLLM_PATCH_FORCED_DRAFTS=0")
+    elif failed or not names:
+        status, why = "not active", "; ".join(failed) or "not registered"
+    else:
+        status, why = "on", (
+            "masked and forced drafts as above, for greedy drafting by its "
+            "EAGLE / MTP and draft-model speculators; a step where some "
+            "request drafts under its grammar runs the speculator's CUDA "
+            "graphs eagerly; stock drafting with probabilistic draft "
+            "sampling, local argmax reduction, draft watermarking, data "
+            "parallelism, parallel drafters (DFlash) and ngram")
+    return [{"feature": "Model Runner V2", "status": status, "reason": why}]
+
+
 _TARGET = ("vllm.v1.worker.gpu.spec_decode.speculator:DraftModelSpeculator"
            ".sample_draft")
 _WHY = ("speculative decoding loses most drafts on structured outputs: "
@@ -326,5 +353,6 @@ PATCHES: list[Patch] = [
 ]
 
 
-__all__ = ["after_sampled", "eligible", "finish", "grammar_draft_stats", "off",
+__all__ = ["after_sampled", "eligible", "feature_status", "finish",
+           "grammar_draft_stats", "off",
            "record_requests", "stats"]
