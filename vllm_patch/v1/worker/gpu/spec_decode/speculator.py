@@ -145,18 +145,24 @@ def after_sampled(runner: Any, idx_mapping: Any, sampled_tokens: Any,
     known: dict = runner.__dict__.get(REQUESTS_ATTR) or {}
     if not known:
         return
+    import torch
+
     index_to_req_id = runner.req_states.index_to_req_id
     t0 = time.thread_time_ns()
-    idx = gd._to_host(t, idx_mapping)
-    req_ids = [index_to_req_id.get(int(i)) if int(i) >= 0 else None
-               for i in idx]
+    n = int(idx_mapping.shape[0])
+    width = int(sampled_tokens.shape[1]) if sampled_tokens.dim() > 1 else 1
+    # One read: batch slots, sampled counts, sampled tokens.
+    flat = gd._to_host(t, torch.cat([
+        idx_mapping[:n].reshape(-1).long(), num_sampled[:n].reshape(-1).long(),
+        sampled_tokens[:n].reshape(-1).long()]))
     t.cost.charge(t0)
+    req_ids = [index_to_req_id.get(int(i)) if int(i) >= 0 else None
+               for i in flat[:n]]
     if not any(r in known for r in req_ids):
         return
-    n = len(req_ids)
-    counts = gd._to_host(t, num_sampled[:n])
-    rows = gd._to_host(t, sampled_tokens[:n])
-    sampled = [row[:int(c)] for row, c in zip(rows, counts)]
+    counts = flat[n:2 * n]
+    sampled = [flat[2 * n + r * width:2 * n + r * width + int(c)]
+               for r, c in enumerate(counts)]
     requests = {
         req_id: SimpleNamespace(
             sampling_params=entry[0],
