@@ -220,3 +220,20 @@ def test_v2_walking_step_runs_graphs_eagerly(patched, monkeypatch):
     for m in (spec.prefill_cudagraph_manager, spec.decode_cudagraph_manager):
         assert m.dispatch(3, 3, 1).cg_mode == CUDAGraphMode.FULL
     assert gd.stats(spec)["v2_eager_steps"] == 1
+
+
+def test_v2_status_line(patched, monkeypatch):
+    """`vllm-patch status` has a Model Runner V2 line: on when patched
+    (the patches of the other vLLM series count as not needed), off in the
+    stock run."""
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    from vllm_patch import envs
+    from vllm_patch.v1.worker.gpu.spec_decode import speculator as v2
+
+    (row,) = v2.feature_status(envs.settings())
+    assert row["feature"] == "Model Runner V2"
+    assert row["status"] == ("on" if patched else "off"), row
+    applied = [n for n, o in REGISTRY.outcomes.items()
+               if n.startswith("grammar-drafts-v2-") and o.state is State.APPLIED]
+    assert len(applied) == (3 if patched else 0), applied
