@@ -997,8 +997,7 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
                 or n != "grammar-drafts-forced-model-free"]
         failed = [f"{n}: {REGISTRY.outcomes[n].state.value}"
                   for n in mine if n in REGISTRY.outcomes
-                  and REGISTRY.outcomes[n].state not in (
-                      State.APPLIED, State.NOT_APPLICABLE)]
+                  and REGISTRY.outcomes[n].state is not State.APPLIED]
         drafters = ("with EAGLE / draft-model drafters (a position where the "
                     "grammar allows one token), ngram and suffix decoding "
                     "(the grammar's forced continuation, tokenized as the "

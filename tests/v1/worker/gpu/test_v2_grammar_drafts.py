@@ -99,7 +99,7 @@ def _setup(backend, kind):
     new = [SimpleNamespace(req_id=rid, prompt_len=1, prefill_token_ids=[0],
                            sampling_params=h.request(rid).sampling_params)
            for rid in rids]
-    _runner_hook("grammar-drafts-v2-requests")(
+    _runner_hook("v2-grammar-drafts-requests")(
         runner, SimpleNamespace(scheduled_new_reqs=new, finished_req_ids=set()))
     return h, rids, spec, runner
 
@@ -108,7 +108,7 @@ def _step(h, spec, runner, rids, bad, seed=0):
     """One V2 step: postprocess_sampled (nothing sampled: -1), then the
     drafting loop's k sample_draft calls. Returns drafts, logits."""
     n = len(rids)
-    _runner_hook("grammar-drafts-v2-sampled")(
+    _runner_hook("v2-grammar-drafts-sampled")(
         runner, torch.arange(n), torch.full((n, K + 1), -1),
         torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
         None)
@@ -206,7 +206,7 @@ def test_v2_walking_step_runs_graphs_eagerly(patched, monkeypatch):
     spec.prefill_cudagraph_manager = _Manager()
     spec.decode_cudagraph_manager = _Manager()
     n = len(rids)
-    _runner_hook("grammar-drafts-v2-sampled")(
+    _runner_hook("v2-grammar-drafts-sampled")(
         runner, torch.arange(n), torch.full((n, K + 1), -1),
         torch.ones(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int32),
         None)
@@ -235,5 +235,5 @@ def test_v2_status_line(patched, monkeypatch):
     assert row["feature"] == "Model Runner V2"
     assert row["status"] == ("on" if patched else "off"), row
     applied = [n for n, o in REGISTRY.outcomes.items()
-               if n.startswith("grammar-drafts-v2-") and o.state is State.APPLIED]
+               if n.startswith("v2-grammar-drafts-") and o.state is State.APPLIED]
     assert len(applied) == (3 if patched else 0), applied

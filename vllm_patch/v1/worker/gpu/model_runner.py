@@ -384,7 +384,7 @@ _GD_SIG = ("self", "idx_mapping", "sampled_tokens", "num_sampled",
 
 PATCHES += [
     Patch(
-        name="grammar-drafts-v2-requests",
+        name="v2-grammar-drafts-requests",
         guarantee="package",
         target=_V2 + "update_requests",
         versions=("0.32", "0.33"),
@@ -397,7 +397,7 @@ PATCHES += [
         upstream=_GD_UPSTREAM, remove_when=_GD_REMOVE,
     ),
     Patch(
-        name="grammar-drafts-v2-sampled",
+        name="v2-grammar-drafts-sampled",
         guarantee="package",
         target=_V2 + "postprocess_sampled",
         versions=("0.33",),
@@ -408,7 +408,7 @@ PATCHES += [
         pins=(_PIN_SAMPLE_TOKENS,),
     ),
     Patch(
-        name="grammar-drafts-v2-sampled-0.32",
+        name="v2-grammar-drafts-sampled-0.32",
         guarantee="package",
         target=_V2 + "postprocess_sampled",
         versions=("0.32",),

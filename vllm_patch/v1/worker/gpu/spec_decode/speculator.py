@@ -292,7 +292,7 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
     `vllm-patch status`."""
     from vllm_patch.patching import REGISTRY, State
 
-    names = [n for n in REGISTRY.patches if n.startswith("grammar-drafts-v2-")]
+    names = [n for n in REGISTRY.patches if n.startswith("v2-grammar-drafts-")]
     failed = [f"{n}: {REGISTRY.outcomes[n].state.value}" for n in names
               if n in REGISTRY.outcomes and REGISTRY.outcomes[n].state
               not in (State.APPLIED, State.NOT_APPLICABLE)]
@@ -334,7 +334,7 @@ _REMOVE = "vLLM's V2 speculators draft under the grammar themselves"
 
 PATCHES: list[Patch] = [
     Patch(
-        name="grammar-drafts-v2-sample-draft",
+        name="v2-grammar-drafts-sample-draft",
         guarantee="package",
         target=_TARGET,
         versions=("0.33",),
@@ -345,7 +345,7 @@ PATCHES: list[Patch] = [
         why=_WHY, how=_HOW, upstream=_UPSTREAM, remove_when=_REMOVE,
     ),
     Patch(
-        name="grammar-drafts-v2-sample-draft-0.32",
+        name="v2-grammar-drafts-sample-draft-0.32",
         guarantee="package",
         target=_TARGET,
         versions=("0.32",),
