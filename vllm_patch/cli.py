@@ -74,8 +74,9 @@ def _features(settings) -> list[dict]:
     """Status of the package's optional features (on / off by switch / not
     active and why)."""
     from vllm_patch.v1.spec_decode.grammar_drafts import feature_status
+    from vllm_patch.v1.worker.gpu.spec_decode import speculator as v2
 
-    return feature_status(settings)
+    return feature_status(settings) + v2.feature_status(settings)
 
 
 def _print_patch(p: dict, verbose: bool, prefix: str = "") -> None:

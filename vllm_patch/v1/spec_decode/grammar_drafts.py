@@ -413,6 +413,11 @@ def drafter_eligible(drafter: Any) -> bool:
     full target vocabulary, one row per request and position."""
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 
+    if not isinstance(drafter, SpecDecodeBaseProposer):
+        # Model Runner V2's speculators (their hooks: that module).
+        from vllm_patch.v1.worker.gpu.spec_decode.speculator import eligible
+
+        return eligible(drafter)
     return (isinstance(drafter, SpecDecodeBaseProposer)
             and type(drafter)._greedy_sample is SpecDecodeBaseProposer._greedy_sample
             and not getattr(drafter, "use_local_argmax_reduction", False)

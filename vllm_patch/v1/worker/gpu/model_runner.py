@@ -327,3 +327,95 @@ PATCHES: list[Patch] = [
                   "step's execute_model"),),
     ),
 ]
+
+
+# Grammar-aware drafting on Model Runner V2 (not a guarantee: drafting
+# speed): the request parameters and the step's sampled tokens the walk in
+# vllm_patch.v1.worker.gpu.spec_decode.speculator needs.
+
+def _make_update_requests(original: Any) -> Any:
+    from vllm_patch.v1.worker.gpu.spec_decode import speculator as v2drafts
+
+    def update_requests(self: Any, scheduler_output: Any) -> Any:
+        out = original(self, scheduler_output)
+        try:
+            v2drafts.record_requests(self, scheduler_output)
+        except Exception:  # noqa: BLE001 - drafting help must never fail a step
+            logger.warning("vllm_patch: grammar-aware drafting failed; stock "
+                           "drafting", exc_info=True)
+        return out
+
+    return update_requests
+
+
+def _make_postprocess_sampled(original: Any) -> Any:
+    from vllm_patch.v1.worker.gpu.spec_decode import speculator as v2drafts
+
+    def postprocess_sampled(self: Any, idx_mapping: Any, sampled_tokens: Any,
+                            num_sampled: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, idx_mapping, sampled_tokens, num_sampled,
+                       *args, **kwargs)
+        if getattr(self, "is_last_pp_rank", True) and \
+                getattr(self, "speculator", None) is not None:
+            try:
+                v2drafts.after_sampled(self, idx_mapping, sampled_tokens,
+                                       num_sampled)
+            except Exception:  # noqa: BLE001
+                logger.warning("vllm_patch: grammar-aware drafting failed; "
+                               "stock drafting", exc_info=True)
+                v2drafts.off(self.speculator, "internal error")
+        return out
+
+    return postprocess_sampled
+
+
+_GD_WHY = ("grammar-aware drafting on Model Runner V2 needs each structured "
+           "request's sampling parameters (V2 keeps none) and the tokens "
+           "sampled in each step, before the speculator drafts")
+_GD_UPSTREAM = ("vLLM PR #45400 (forced tokens as drafts, Model Runner V2) "
+                "and #47885 (grammar-aware draft sampling) are open")
+_GD_REMOVE = "vLLM's V2 speculators draft under the grammar themselves"
+_GD_POST = ("after the stock method (last pipeline rank, with a "
+            "speculator): the step's sampled tokens advance each structured "
+            "request's shadow grammar, and the rows that draft under a "
+            "grammar in this step's propose are chosen")
+_GD_SIG = ("self", "idx_mapping", "sampled_tokens", "num_sampled",
+           "num_rejected", "query_start_loc")
+
+PATCHES += [
+    Patch(
+        name="v2-grammar-drafts-requests",
+        guarantee="package",
+        target=_V2 + "update_requests",
+        versions=("0.32", "0.33"),
+        signature=("self", "scheduler_output"),
+        make=_make_update_requests,
+        why=_GD_WHY,
+        how=("after the stock method, keeps each new structured request's "
+             "sampling parameters and earlier output tokens; forgets "
+             "finished requests"),
+        upstream=_GD_UPSTREAM, remove_when=_GD_REMOVE,
+    ),
+    Patch(
+        name="v2-grammar-drafts-sampled",
+        guarantee="package",
+        target=_V2 + "postprocess_sampled",
+        versions=("0.33",),
+        signature=_GD_SIG + ("draft_tokens",),
+        make=_make_postprocess_sampled,
+        why=_GD_WHY, how=_GD_POST,
+        upstream=_GD_UPSTREAM, remove_when=_GD_REMOVE,
+        pins=(_PIN_SAMPLE_TOKENS,),
+    ),
+    Patch(
+        name="v2-grammar-drafts-sampled-0.32",
+        guarantee="package",
+        target=_V2 + "postprocess_sampled",
+        versions=("0.32",),
+        signature=_GD_SIG,
+        make=_make_postprocess_sampled,
+        why=_GD_WHY, how=_GD_POST + " (vLLM 0.32's signature)",
+        upstream=_GD_UPSTREAM, remove_when=_GD_REMOVE,
+        pins=(_PIN_SAMPLE_TOKENS,),
+    ),
+]
