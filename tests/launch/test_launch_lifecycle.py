@@ -147,9 +147,85 @@ def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
         assert len(pids) == 2
         os.kill(dec.info["actor_pid"], signal.SIGKILL)
         assert gone(pids) == []
-        with pytest.raises(LaunchError, match="a supervisor actor died"):
+        with pytest.raises(LaunchError, match="decode-0: its supervisor actor died"):
             deadline = time.monotonic() + 60
             dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+
+
+class _Unavailable:
+    """Stands in for a supervisor actor handle: its first `n` status polls
+    fail with Ray's transient ActorUnavailableError, then the real actor
+    answers."""
+
+    def __init__(self, actor, n: int) -> None:
+        import ray
+
+        @ray.remote(num_cpus=0)
+        def unavailable():
+            raise ray.exceptions.ActorUnavailableError("RpcError: Connection reset "
+                                                       "by peer", None)
+
+        self._actor, self._n, self._fail = actor, n, unavailable
+        self.status = self
+
+    def remote(self):
+        if self._n > 0:
+            self._n -= 1
+            return self._fail.remote()
+        return self._actor.status.remote()
+
+    def __getattr__(self, name):
+        return getattr(self._actor, name)
+
+
+def test_unreachable_supervisor_is_not_a_death(ray_cluster):
+    """Ray's transient errors (ActorUnavailableError, no answer in time:
+    a partitioned or frozen node) are not deaths within the grace period:
+    the node is logged as unreachable, polling goes on, the deployment
+    keeps serving; past the grace period it is one."""
+    lines: list[str] = []
+    with Deployment(config(unreachable_grace_s=30), progress=lines.append) as dep:
+        dec = dep.role_instances("decode")[0]
+        real = dec.actor
+        dec.actor = _Unavailable(real, 3)
+        sts = [s["state"] for s in (dep.poll()[1] for _ in range(3))]
+        assert sts == ["unreachable"] * 3
+        assert ask(dep.url)["served_by"]["role"] == "decode"  # still serving
+        assert dep.poll()[1]["state"] == "healthy"
+        dec.actor = real
+        # a frozen supervisor (no answer): SIGSTOP its process
+        dep.status_timeout_s = 1.0
+        os.kill(dec.info["actor_pid"], signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+            assert dep.poll()[1]["state"] == "unreachable"
+        finally:
+            os.kill(dec.info["actor_pid"], signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while dep.poll()[1]["state"] != "healthy":
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert ask(dep.url)["served_by"]["role"] == "decode"
+    text = "\n".join(lines)
+    assert re.search(r"decode-0 on node \S+ unreachable \(The actor \S+ is unavailable: "
+                     r"RpcError: Connection reset by peer.*polling it again for up to "
+                     r"30 s", text), text
+    assert "decode-0 on node" in text and "unreachable (no answer within 1 s)" in text
+    assert text.count("reachable again after") == 2, text
+
+    # past the grace period: a death
+    with Deployment(config(unreachable_grace_s=2)) as dep:
+        dec = dep.role_instances("decode")[0]
+        dep.status_timeout_s = 0.5
+        os.kill(dec.info["actor_pid"], signal.SIGSTOP)
+        try:
+            with pytest.raises(LaunchError, match=r"decode-0 on node \S+ unreachable for "
+                               r"more than 2 s \(--unreachable-grace\): no answer"):
+                deadline = time.monotonic() + 30
+                dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+        finally:
+            os.kill(dec.info["actor_pid"], signal.SIGCONT)
 
 
 def test_restarts_are_bounded(ray_cluster, tmp_path):

@@ -28,8 +28,14 @@ A server that never became healthy and fails twice with the same error is
 not restarted again: the command stops everything and prints the error and
 the server's last log lines.
 
+A node that stops answering (a network partition, a frozen host) is logged
+as unreachable and polled again; only a supervisor that is gone, or one
+unreachable for longer than --unreachable-grace seconds, stops the
+deployment.
+
 Exit codes: 0 after a requested stop, 1 when the deployment cannot start or
-an instance keeps dying (more than --max-restarts restarts), 2 bad usage.
+an instance keeps dying (more than --max-restarts restarts) or its node stays
+unreachable, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
             o[key] = v
     if a.start_timeout is not None:
         o["start_timeout_s"] = a.start_timeout
+    if a.unreachable_grace is not None:
+        o["unreachable_grace_s"] = a.unreachable_grace
     if a.vllm_args:
         o["vllm_args"] = a.vllm_args
     if a.kv_connector_extra_config is not None:
@@ -169,6 +177,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, help="router port (default 8000; 0: free)")
     p.add_argument("--max-restarts", type=int, help="restarts per instance (default 3)")
     p.add_argument("--start-timeout", type=float, help="seconds to wait for /health")
+    p.add_argument("--unreachable-grace", type=float, metavar="SECONDS",
+                   help="how long a node may stay unreachable (a network partition, "
+                   "Ray's transient errors) before its instances count as dead and "
+                   "the deployment stops (default 120)")
     p.add_argument("--log-dir", metavar="DIR",
                    help="server logs, on each node, always kept (default: the "
                    "deployment's temp folder, kept only if the deployment fails)")

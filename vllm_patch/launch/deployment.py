@@ -46,6 +46,9 @@ from vllm_patch.launch.config import ROLES, LaunchConfig, LaunchError
 from vllm_patch.launch.supervisor import InstanceSupervisor, port_free
 
 PLACE_TIMEOUT_S = 120.0
+# A supervisor that has not answered a status poll within this many seconds
+# is unreachable for that poll (see LaunchConfig.unreachable_grace_s).
+STATUS_TIMEOUT_S = 30.0
 
 # vLLM's default --gpu-memory-utilization (CacheConfig.gpu_memory_utilization),
 # on the CPU the fraction of the NUMA node's memory one server reserves.
@@ -145,6 +148,10 @@ class Deployment:
         self.id = secrets.token_hex(4)
         self._ray_dir: str | None = None
         self._kv_storage: str | None = None
+        # instance name -> when its supervisor stopped answering
+        self._unreachable_since: dict[str, float] = {}
+        # how long one poll waits for the supervisors' answers
+        self.status_timeout_s = STATUS_TIMEOUT_S
 
     # ---- public --------------------------------------------------------
     @property
@@ -459,21 +466,45 @@ class Deployment:
                       + (f", cores {bind}" if bind else "") + f", log {st['log']}")
 
     def poll(self) -> list[dict[str, Any]]:
-        """Current status of every instance; LaunchError if one has failed."""
+        """Current status of every instance; LaunchError if one has failed,
+        its supervisor actor is dead, or it has been unreachable for longer
+        than `unreachable_grace_s` (until then its last status is returned
+        with state "unreachable")."""
         import ray
 
-        try:
-            sts = ray.get([i.actor.status.remote() for i in self.instances], timeout=60)
-        except ray.exceptions.OutOfMemoryError as e:
-            raise LaunchError(
-                "Ray's memory monitor killed the supervisor actors, and their servers "
-                f"with them: {str(e).splitlines()[0]} (give the servers less memory: "
-                "--gpu-memory-utilization or --kv-cache-memory-bytes after `--`)"
-            ) from None
-        except ray.exceptions.RayError as e:
-            raise LaunchError("a supervisor actor died (its server was signalled to "
-                              f"stop): {str(e).splitlines()[0]}") from None
+        refs = [i.actor.status.remote() for i in self.instances]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.status_timeout_s)
+        answered = set(ready)
+        sts: list[dict[str, Any]] = []
+        for inst, ref in zip(self.instances, refs):
+            if ref not in answered:
+                sts.append(self._unreachable(inst, f"no answer within "
+                                             f"{self.status_timeout_s:g} s"))
+                continue
+            try:
+                st = ray.get(ref, timeout=0)
+            except ray.exceptions.OutOfMemoryError as e:
+                raise LaunchError(
+                    "Ray's memory monitor killed the supervisor actors, and their "
+                    f"servers with them: {str(e).splitlines()[0]} (give the servers "
+                    "less memory: --gpu-memory-utilization or --kv-cache-memory-bytes "
+                    "after `--`)") from None
+            except (ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.GetTimeoutError) as e:
+                sts.append(self._unreachable(inst, _ray_error_line(e)))
+                continue
+            except ray.exceptions.RayError as e:
+                raise LaunchError(f"{inst.name}: its supervisor actor died (its server "
+                                  f"was signalled to stop): {str(e).splitlines()[0]}"
+                                  ) from None
+            since = self._unreachable_since.pop(inst.name, None)
+            if since is not None:
+                self._say(f"{inst.name} on node {inst.info.get('ip', '?')} reachable "
+                          f"again after {time.monotonic() - since:.0f} s")
+            sts.append(st)
         for inst, st in zip(self.instances, sts):
+            if st["state"] == "unreachable":
+                continue
             prev = inst.status
             inst.status = st
             if st["state"] == "failed":
@@ -487,6 +518,22 @@ class Deployment:
             if st["state"] != prev.get("state") and st["state"] == "healthy":
                 self._say(f"{inst.name} healthy at {st['url']}")
         return sts
+
+    def _unreachable(self, inst: Instance, why: str) -> dict[str, Any]:
+        """A transient failure to reach an instance's supervisor: its last
+        status marked "unreachable" while within the grace period, else
+        LaunchError."""
+        now = time.monotonic()
+        since = self._unreachable_since.setdefault(inst.name, now)
+        grace = self.cfg.unreachable_grace_s
+        where = f"{inst.name} on node {inst.info.get('ip', '?')}"
+        if now - since > grace:
+            raise LaunchError(f"{where} unreachable for more than {grace:g} s "
+                              f"(--unreachable-grace): {why}")
+        if since == now:
+            self._say(f"{where} unreachable ({why}); polling it again for up to "
+                      f"{grace:g} s", logging.WARNING)
+        return {**inst.status, "name": inst.name, "state": "unreachable"}
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         timeout_s = timeout_s or self.cfg.start_timeout_s
@@ -586,6 +633,17 @@ class Deployment:
             os.rmdir(folder)
         except OSError:
             pass
+
+
+def _ray_error_line(e: BaseException) -> str:
+    """The first line of a Ray error's message (of its cause when it was
+    raised in a task), without terminal colours."""
+    import re
+
+    cause = getattr(e, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else e)
+    return re.sub(r"\x1b\[[0-9;]*m", "", text).strip().splitlines()[0] if text.strip() \
+        else type(e).__name__
 
 
 def remove_ray_folder(path: str) -> None:
