@@ -383,6 +383,62 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
     assert "logs kept" not in err
 
 
+def test_cli_signal_during_close_is_waited_for(ray_cluster, tmp_path):
+    """A deployment closing after an error (an instance died for good) is
+    not interrupted by SIGINT / SIGTERM: each is acknowledged, the close
+    finishes (every server stopped, the deployment's folders gone), the
+    error is printed and the exit code is 1."""
+    import tempfile
+    import threading
+
+    exe = Path(sys.executable).with_name("vllm-patch")
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(f"model: standin\nserver_command: {json.dumps(STANDIN)}\n"
+                   "env: {VLLM_CPU_KVCACHE_SPACE: '1', STANDIN_STOP_DELAY_S: '6'}\n"
+                   "max_restarts: 0\n"
+                   "prefill: {node_resource: prefill_node}\n"
+                   "decode: {node_resource: decode_node, "
+                   "env: {STANDIN_CRASH_AFTER_S: '3'}}\n")
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("vllm-patch-launch-*"))
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--config", str(cfg), "--address", ray_cluster.address,
+         "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not any("stopping 2 instance(s)" in line for line in err):
+            assert proc.poll() is None, "".join(err)
+            assert time.monotonic() < deadline, "".join(err)
+            time.sleep(0.1)
+        pids = [int(m) for line in err
+                for m in re.findall(r"starting: \S+ pid (\d+)", line)]
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(err)
+    assert proc.returncode == 1, text
+    assert "SIGINT: already stopping, please wait" in text, text
+    assert "SIGTERM: already stopping, please wait" in text, text
+    assert re.search(r"^error: decode-0: ", text, re.M), text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.rstrip().splitlines()[-1].startswith("error: ") or \
+        "] stopped" in text, text
+    assert len(pids) == 2 and gone(pids) == []
+    assert set(tmp.glob("vllm-patch-launch-*")) - before == set(), text
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "decode-0.log", "prefill-0.log"]  # the user's log folder: kept
+
+
 def test_cli_start_failure_fails_fast(ray_cluster):
     """A server that fails the same way twice before it is healthy stops the
     command at once with the cause; restart lines name the new pid; the

@@ -10,7 +10,8 @@ YAML file (see vllm_patch/launch/config.py for its keys). Progress and
 errors go to stderr; the endpoint line `endpoint: http://host:port` to
 stdout, and with --ready-file a JSON file {"url", "instances"} is written
 once every instance answers /health. Ctrl-C, SIGINT or SIGTERM (also when
-the command runs in the background) tears everything down.
+the command runs in the background) tears everything down; a signal that
+arrives while it is stopping only says so (the stop goes on to the end).
 
 Memory: on the CPU, vLLM reserves --gpu-memory-utilization (default 0.92) of
 the host's memory for each server. Servers that share a host get a share
@@ -100,10 +101,16 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _stop(signum: int, frame: Any) -> None:
-    """SIGINT / SIGTERM: stop (once; a second signal while stopping waits)."""
+    """SIGINT / SIGTERM: stop (once). A signal while stopping, or while a
+    deployment is closing after an error, is acknowledged and otherwise
+    ignored: the close finishes, so every server and folder goes and the
+    error that caused it is still printed."""
     global _stopping
-    if _stopping:
-        print("stopping, please wait", file=sys.stderr, flush=True)
+    from vllm_patch.launch import deployment
+
+    if _stopping or deployment.closing():
+        print(f"{signal.Signals(signum).name}: already stopping, please wait until "
+              "every server has stopped", file=sys.stderr, flush=True)
         return
     _stopping = True
     raise KeyboardInterrupt

@@ -69,6 +69,15 @@ MEMORY_FLAGS = ("--gpu-memory-utilization", "--device-memory-utilization",
 
 logger = logging.getLogger(__name__)
 
+# Deployments of this process inside close() (see closing()).
+_closing = 0
+
+
+def closing() -> bool:
+    """True while a deployment of this process is stopping: a stop signal
+    then must not interrupt it (command.py's handler waits instead)."""
+    return _closing > 0
+
 
 @dataclasses.dataclass
 class Instance:
@@ -567,10 +576,18 @@ class Deployment:
     def close(self, failed: bool = False) -> None:
         """Stop everything; remove the deployment's files (the KV storage
         always, logs unless `failed` or a log_dir was given)."""
+        global _closing
         if self._closed:
             return
         self._closed = True
         self._failed = failed
+        _closing += 1
+        try:
+            self._close(failed)
+        finally:
+            _closing -= 1
+
+    def _close(self, failed: bool) -> None:
         if self.router is not None:
             self.router.stop()
         kept: list[str] = []
