@@ -439,6 +439,96 @@ def test_cli_signal_during_close_is_waited_for(ray_cluster, tmp_path):
         "decode-0.log", "prefill-0.log"]  # the user's log folder: kept
 
 
+def test_cli_long_tmpdir_local_ray(tmp_path):
+    """With a 60-character TMPDIR (CI runners, pam_tmpdir, SLURM job
+    folders) the command, starting its own local Ray cluster, works: Ray's
+    files go to a short folder of their own, vLLM's sockets too, and
+    nothing is left behind (in TMPDIR, in /tmp, in ~/.ray)."""
+    tmpdir = Path("/tmp") / ("vp-long-tmpdir-" + "x" * 60)
+    tmpdir = Path(str(tmpdir)[:60])
+    assert len(str(tmpdir)) == 60
+    tmpdir.mkdir()
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(f"model: standin\nserver_command: {json.dumps(STANDIN)}\n"
+                   "env: {VLLM_CPU_KVCACHE_SPACE: '1'}\n")
+    ready = tmp_path / "ready.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                        "RAY_AUTH_TOKEN_PATH")}
+    env["TMPDIR"] = str(tmpdir)
+    token = Path.home() / ".ray" / "auth_token"
+    token_before = token.read_bytes() if token.exists() else None
+    tmp_before = set(Path("/tmp").glob("vllm-patch-*"))
+    exe = Path(sys.executable).with_name("vllm-patch")
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--config", str(cfg), "--port", "0", "--ready-file",
+         str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        info = json.loads(ready.read_text())
+        assert ask(info["url"])["served_by"]["role"] == "decode"
+        # vLLM's socket folder: short enough for its <uuid4> socket names
+        server_env = dict(e.split("=", 1) for e in Path(
+            f"/proc/{info['instances'][0]['pid']}/environ").read_text().split("\0") if e)
+        ipc = server_env["VLLM_RPC_BASE_PATH"]
+        assert len(ipc) + 37 <= 107 and os.path.isdir(ipc), ipc
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    try:
+        assert proc.returncode == 0, err
+        assert re.search(r"starting a local Ray cluster \(its files in "
+                         r"/tmp/vllm-patch-ray-\w+\)", err), err
+        assert "Traceback" not in err, err
+        assert list(tmpdir.iterdir()) == [], list(tmpdir.iterdir())
+        assert set(Path("/tmp").glob("vllm-patch-*")) - tmp_before == set()
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_ray_start_failure_is_one_line(monkeypatch):
+    """Ray's start raising (a deterministic failure) is a LaunchError with
+    its cause on one line, not a traceback; a folder too long for Ray's
+    sockets is refused before anything starts, naming the limit."""
+    import ray
+
+    from vllm_patch.launch import deployment
+
+    def boom(**kw):
+        raise OSError("validate_socket_filename failed: AF_UNIX path length cannot "
+                      "exceed 107 bytes: /x\nmore lines")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", boom)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    dep = Deployment(config())
+    with pytest.raises(LaunchError) as e:
+        with dep:
+            pass
+    assert str(e.value) == ("could not start a local Ray cluster: OSError: "
+                            "validate_socket_filename failed: AF_UNIX path length "
+                            "cannot exceed 107 bytes: /x")
+    assert not os.path.exists(f"/tmp/vllm-patch-ray-{dep.id}")  # removed
+    dep = Deployment(config(address="127.0.0.1:1"))
+    with pytest.raises(LaunchError, match=r"^could not connect to the Ray cluster at "
+                       r"127.0.0.1:1: OSError: validate_socket_filename failed: [^\n]*$"):
+        with dep:
+            pass
+    monkeypatch.setattr(deployment.tempfile, "gettempdir", lambda: "/t" + "x" * 60)
+    monkeypatch.setattr(deployment.os, "mkdir", lambda *a: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")))
+    with pytest.raises(LaunchError, match=r"Ray's AF_UNIX socket paths \(at most 107 "
+                       r"bytes\) need a short, writable folder \(/tmp: Permission denied; "
+                       r"/t x+: too long\); make /tmp writable, set TMPDIR".replace(" x", "x")):
+        deployment.ray_folder("abcd1234")
+
+
 def test_cli_start_failure_fails_fast(ray_cluster):
     """A server that fails the same way twice before it is healthy stops the
     command at once with the cause; restart lines name the new pid; the

@@ -21,9 +21,11 @@ VLLM_CPU_KVCACHE_SPACE keeps the user's setting.
 
 Files: each node keeps the deployment's files in
 <temp dir>/vllm-patch-launch-<id>: server logs (or in --log-dir), the
-ExampleConnector KV storage, the local Ray cluster's session. At the end the
-KV storage and Ray's session are removed, and the logs too unless the
-deployment failed (then the last line says where they are).
+ExampleConnector KV storage, vLLM's sockets (in /tmp/vllm-patch-ipc-<id> when
+TMPDIR is too long for a socket's 107-byte path). A local Ray cluster the
+command starts keeps its files in /tmp/vllm-patch-ray-<id>. At the end the
+KV storage, the sockets and Ray's files are removed, and the logs too unless
+the deployment failed (then the last line says where they are).
 
 A server that never became healthy and fails twice with the same error is
 not restarted again: the command stops everything and prints the error and

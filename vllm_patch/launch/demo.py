@@ -30,6 +30,7 @@ import argparse
 import logging
 import os
 import re
+import secrets
 import tempfile
 import time
 import urllib.request
@@ -154,7 +155,7 @@ def main(args: argparse.Namespace) -> int:
 
     from vllm_patch.launch import show_progress
     from vllm_patch.launch.command import handle_stop_signals
-    from vllm_patch.launch.deployment import remove_ray_folder
+    from vllm_patch.launch.deployment import ray_folder, remove_ray_folder
     from vllm_patch.testing import workload as wl
     from vllm_patch.testing import tiny_model
 
@@ -166,20 +167,22 @@ def main(args: argparse.Namespace) -> int:
     requests = wl.build_requests()[:args.requests] if args.requests else wl.build_requests()
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-patch-demo-") as workdir:
-        logger.info("starting a local Ray cluster")
+        # Ray's files in a short folder of their own (its socket paths must
+        # fit in 107 bytes whatever TMPDIR is), removed at the end
+        ray_dir = ray_folder(secrets.token_hex(4))
+        logger.info("starting a local Ray cluster (its files in %s)", ray_dir)
         keep_ray_token_in(workdir)
-        # Ray's session folder inside the work dir (removed with it);
-        # ray.init sets its own SIGTERM handler: put ours back
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 _temp_dir=f"{workdir}/ray")
-        handle_stop_signals()
         try:
+            # ray.init sets its own SIGTERM handler: put ours back
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     _temp_dir=ray_dir)
+            handle_stop_signals()
             for mode in args.modes:
                 rows.append(run_mode(mode, model, workdir, requests, args.spec_k,
                                      args.log_dir))
         finally:
             ray.shutdown()
-            remove_ray_folder(f"{workdir}/ray")
+            remove_ray_folder(ray_dir)
     import vllm
 
     print()

@@ -11,9 +11,12 @@ every server's process group and every actor, and the local Ray cluster if
 this process started it. Nothing else is touched. Each node keeps the
 deployment's files in one folder, `<temp dir>/vllm-patch-launch-<id>`:
 server logs (unless `log_dir` is set), ExampleConnector's KV storage (unless
-`shared_storage_path` is set), vLLM's IPC sockets, and the local Ray
-cluster's session; the KV storage goes at the end, the rest too unless the
-deployment failed (then the logs stay, and the last message says where).
+`shared_storage_path` is set) and vLLM's IPC sockets (in
+`/tmp/vllm-patch-ipc-<id>` when the temp dir's path is too long for an
+AF_UNIX socket address); a local Ray cluster this process starts keeps its
+session in `/tmp/vllm-patch-ray-<id>` (short whatever TMPDIR is). The KV
+storage, the sockets and Ray's session go at the end, the logs too unless
+the deployment failed (then the last message says where).
 
 Memory: on a CPU node vLLM reserves `--gpu-memory-utilization` (default
 0.92) of the NUMA node's memory per server and refuses to start when less is
@@ -237,16 +240,26 @@ class Deployment:
             self._say("using the Ray connection of this process")
         elif address:
             self._say(f"connecting to Ray at {address}")
-            ray.init(address=address, log_to_driver=False)
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except Exception as e:  # noqa: BLE001 - say why, no traceback
+                ray.shutdown()
+                raise LaunchError(f"could not connect to the Ray cluster at {address}: "
+                                  f"{type(e).__name__}: {_ray_error_line(e)}") from None
             self._connected = True
         else:
-            self._say("starting a local Ray cluster")
-            # its session folder inside the deployment's, not /tmp/ray
-            self._ray_dir = os.path.join(tempfile.gettempdir(),
-                                         f"vllm-patch-launch-{self.id}", "ray")
-            # "local": a new cluster, never a running one found on this host
-            ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                     _temp_dir=self._ray_dir)
+            # its session folder in a short folder of its own, not /tmp/ray
+            # nor under TMPDIR: Ray's socket paths must fit in 107 bytes
+            self._ray_dir = ray_folder(self.id)
+            self._say(f"starting a local Ray cluster (its files in {self._ray_dir})")
+            try:
+                # "local": a new cluster, never a running one found on this host
+                ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                         _temp_dir=self._ray_dir)
+            except Exception as e:  # noqa: BLE001 - Ray's start failed: say why
+                ray.shutdown()
+                raise LaunchError(f"could not start a local Ray cluster: "
+                                  f"{type(e).__name__}: {_ray_error_line(e)}") from None
             self._connected = self._owns_ray = True
         _restore_signal_handlers(handlers)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -308,7 +321,7 @@ class Deployment:
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", inst.info["ip"])
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port))
         # vLLM's ZMQ IPC sockets: in the deployment's folder, not the temp dir
-        env.setdefault("VLLM_RPC_BASE_PATH", inst.info["tmp_dir"])
+        env.setdefault("VLLM_RPC_BASE_PATH", inst.info["ipc_dir"])
         if bind is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         return env
@@ -644,12 +657,38 @@ class Deployment:
         """The local Ray cluster's session folder, once its processes are
         gone (the servers' logs hold the causes of a failure, not Ray's)."""
         assert self._ray_dir is not None
-        folder = os.path.dirname(self._ray_dir)
         remove_ray_folder(self._ray_dir)
+
+
+# Ray's longest socket path below its temp dir:
+# /session_2026-12-03_05-57-09_123456_1234567/sockets/plasma_store
+RAY_SOCKET_SUFFIX_LEN = 64
+
+
+def ray_folder(deployment_id: str) -> str:
+    """A new folder for a local Ray cluster's files, short enough for Ray's
+    AF_UNIX socket paths (at most 107 bytes) whatever TMPDIR is: under /tmp,
+    else under the temp dir if that is short; LaunchError (before anything
+    starts) when neither is possible."""
+    from vllm_patch.launch.supervisor import SOCKET_PATH_MAX
+
+    name = f"vllm-patch-ray-{deployment_id}"
+    tried = []
+    for parent in dict.fromkeys(("/tmp", tempfile.gettempdir())):
+        path = os.path.join(parent, name)
+        if len(os.fsencode(path)) + RAY_SOCKET_SUFFIX_LEN > SOCKET_PATH_MAX:
+            tried.append(f"{parent}: too long")
+            continue
         try:
-            os.rmdir(folder)
-        except OSError:
-            pass
+            os.mkdir(path, 0o700)
+            return path
+        except OSError as e:
+            tried.append(f"{parent}: {e.strerror}")
+    raise LaunchError(
+        "no folder for the local Ray cluster's files: Ray's AF_UNIX socket paths "
+        f"(at most {SOCKET_PATH_MAX} bytes) need a short, writable folder "
+        f"({'; '.join(tried)}); make /tmp writable, set TMPDIR to a short folder, "
+        "or start Ray yourself and pass --address")
 
 
 def _ray_error_line(e: BaseException) -> str:
