@@ -458,7 +458,6 @@ def test_cli_long_tmpdir_local_ray(tmp_path):
     env["TMPDIR"] = str(tmpdir)
     token = Path.home() / ".ray" / "auth_token"
     token_before = token.read_bytes() if token.exists() else None
-    tmp_before = set(Path("/tmp").glob("vllm-patch-*"))
     exe = Path(sys.executable).with_name("vllm-patch")
     proc = subprocess.Popen(
         [str(exe), "launch", "--config", str(cfg), "--port", "0", "--ready-file",
@@ -487,7 +486,12 @@ def test_cli_long_tmpdir_local_ray(tmp_path):
                          r"/tmp/vllm-patch-ray-\w+\)", err), err
         assert "Traceback" not in err, err
         assert list(tmpdir.iterdir()) == [], list(tmpdir.iterdir())
-        assert set(Path("/tmp").glob("vllm-patch-*")) - tmp_before == set()
+        dep_id = re.search(r"/tmp/vllm-patch-ray-(\w+)", err).group(1)
+        assert ipc == f"/tmp/vllm-patch-ipc-{dep_id}"
+        left = [p for p in (f"/tmp/vllm-patch-ray-{dep_id}", ipc) if os.path.exists(p)]
+        assert left == [], left
+        token_after = token.read_bytes() if token.exists() else None
+        assert token_after == token_before, f"the launch left {token}"
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -505,6 +509,7 @@ def test_ray_start_failure_is_one_line(monkeypatch):
                       "exceed 107 bytes: /x\nmore lines")
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # the session's Ray stays
     monkeypatch.setattr(ray, "init", boom)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     dep = Deployment(config())
@@ -520,6 +525,14 @@ def test_ray_start_failure_is_one_line(monkeypatch):
                        r"127.0.0.1:1: OSError: validate_socket_filename failed: [^\n]*$"):
         with dep:
             pass
+    def refused(**kw):
+        raise ray.exceptions.AuthenticationError("Token mismatch")
+
+    monkeypatch.setattr(ray, "init", refused)
+    with pytest.raises(LaunchError, match=r"AuthenticationError: .*must agree on Ray's "
+                       r"token authentication.*RAY_AUTH_MODE=token"):
+        with Deployment(config(address="127.0.0.1:1")):
+            pass
     monkeypatch.setattr(deployment.tempfile, "gettempdir", lambda: "/t" + "x" * 60)
     monkeypatch.setattr(deployment.os, "mkdir", lambda *a: (_ for _ in ()).throw(
         PermissionError(13, "Permission denied")))
@@ -527,6 +540,56 @@ def test_ray_start_failure_is_one_line(monkeypatch):
                        r"bytes\) need a short, writable folder \(/tmp: Permission denied; "
                        r"/t x+: too long\); make /tmp writable, set TMPDIR".replace(" x", "x")):
         deployment.ray_folder("abcd1234")
+
+
+def test_ray_token_of_the_launch_is_removed(monkeypatch, tmp_path):
+    """A local Ray cluster's token goes in the launch's own Ray folder
+    (RAY_AUTH_TOKEN_PATH while it runs, restored after); a default token
+    file (~/.ray/auth_token) that the start created is removed at close,
+    one that existed before never is; a token the user configured is left
+    alone."""
+    import ray
+
+    from vllm_patch.launch import deployment
+
+    default = tmp_path / ".ray" / "auth_token"
+    monkeypatch.setattr(deployment, "RAY_DEFAULT_TOKEN", default)
+    for k in deployment.RAY_AUTH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # the session's Ray stays
+    seen = {}
+
+    def init(**kw):  # Ray writes its default token, then fails to start
+        seen["path"] = os.environ.get("RAY_AUTH_TOKEN_PATH")
+        seen["token"] = Path(seen["path"]).read_text()
+        default.parent.mkdir(exist_ok=True)
+        default.write_text("ray's")
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(ray, "init", init)
+    dep = Deployment(config())
+    with pytest.raises(LaunchError, match="could not start a local Ray cluster"):
+        with dep:
+            pass
+    assert seen["path"] == f"/tmp/vllm-patch-ray-{dep.id}/ray-auth-token"
+    assert len(seen["token"]) == 64
+    assert "RAY_AUTH_TOKEN_PATH" not in os.environ
+    assert not default.exists() and not default.parent.exists()
+    # one that was there before stays
+    default.parent.mkdir()
+    default.write_text("theirs")
+    with pytest.raises(LaunchError):
+        with Deployment(config()):
+            pass
+    assert default.read_text() == "ray's"  # (what the fake Ray wrote over it)
+    # a token the user configured: not replaced
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/theirs")
+    with pytest.raises(LaunchError):
+        with Deployment(config()):
+            pass
+    assert seen["path"] == "/theirs" and os.environ["RAY_AUTH_TOKEN_PATH"] == "/theirs"
 
 
 def test_cli_start_failure_fails_fast(ray_cluster):

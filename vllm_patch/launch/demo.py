@@ -132,22 +132,13 @@ def holds(row: dict[str, Any]) -> bool:
 
 
 def keep_ray_token_in(workdir: str) -> None:
-    """Ray (2.60) turns token authentication on for a new local cluster and,
-    with no token configured, writes one to ~/.ray/auth_token, which stays
-    after the demo (and makes later `ray start --head` clusters use tokens).
-    Give this cluster its own token in the work dir instead, removed with it.
-    A token or mode the user configured is left alone."""
-    if any(os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
-                                       "RAY_AUTH_TOKEN_PATH")):
-        return
-    import secrets
+    """The demo's local Ray cluster gets its own token in the work dir
+    (removed with it), not ~/.ray/auth_token (see
+    vllm_patch.launch.deployment.own_ray_token); a token or mode the user
+    configured is left alone."""
+    from vllm_patch.launch.deployment import own_ray_token
 
-    path = os.path.join(workdir, "ray-auth-token")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    # this process, and the Ray processes and actors it starts, read it
-    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    own_ray_token(workdir)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any, Callable
 
 from vllm_patch.launch.config import ROLES, LaunchConfig, LaunchError
@@ -160,6 +161,9 @@ class Deployment:
         self.id = secrets.token_hex(4)
         self._ray_dir: str | None = None
         self._kv_storage: str | None = None
+        # Ray's auth variables before this deployment set its own token
+        self._ray_env: dict[str, str | None] | None = None
+        self._created_token = False
         # instance name -> when its supervisor stopped answering
         self._unreachable_since: dict[str, float] = {}
         # how long one poll waits for the supervisors' answers
@@ -244,14 +248,29 @@ class Deployment:
                 ray.init(address=address, log_to_driver=False)
             except Exception as e:  # noqa: BLE001 - say why, no traceback
                 ray.shutdown()
+                hint = ""
+                if "authentication" in f"{type(e).__name__} {e}".lower():
+                    hint = (" (the cluster and this command must agree on Ray's token "
+                            "authentication: with a token file, `ray start --head` turns "
+                            "it on while a client given an address does not; set "
+                            "RAY_AUTH_MODE=token here, with the cluster's token in "
+                            "~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or "
+                            "start the cluster with RAY_AUTH_MODE=disabled)")
                 raise LaunchError(f"could not connect to the Ray cluster at {address}: "
-                                  f"{type(e).__name__}: {_ray_error_line(e)}") from None
+                                  f"{type(e).__name__}: {_ray_error_line(e)}{hint}"
+                                  ) from None
             self._connected = True
         else:
             # its session folder in a short folder of its own, not /tmp/ray
             # nor under TMPDIR: Ray's socket paths must fit in 107 bytes
             self._ray_dir = ray_folder(self.id)
             self._say(f"starting a local Ray cluster (its files in {self._ray_dir})")
+            # Ray (2.60) turns token authentication on for a new local cluster
+            # and would write its token to ~/.ray/auth_token, where it stays
+            # (and turns tokens on for later `ray start --head` clusters):
+            # this cluster's token goes in its own folder instead
+            self._ray_env = own_ray_token(self._ray_dir)
+            token_existed = RAY_DEFAULT_TOKEN.exists()
             try:
                 # "local": a new cluster, never a running one found on this host
                 ray.init(address="local", include_dashboard=False, log_to_driver=False,
@@ -260,6 +279,9 @@ class Deployment:
                 ray.shutdown()
                 raise LaunchError(f"could not start a local Ray cluster: "
                                   f"{type(e).__name__}: {_ray_error_line(e)}") from None
+            finally:
+                if not token_existed and RAY_DEFAULT_TOKEN.exists():
+                    self._created_token = True  # by this start: removed at close
             self._connected = self._owns_ray = True
         _restore_signal_handlers(handlers)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -630,6 +652,18 @@ class Deployment:
             ray.shutdown()
         if self._ray_dir is not None:
             self._remove_ray_dir()
+        if self._created_token:
+            RAY_DEFAULT_TOKEN.unlink(missing_ok=True)
+            try:
+                RAY_DEFAULT_TOKEN.parent.rmdir()  # only when empty
+            except OSError:
+                pass
+        if self._ray_env is not None:
+            for k, v in self._ray_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self._remove_local_folder()
         if kept:
             self._say(f"logs kept: {', '.join(kept)}")
@@ -658,6 +692,28 @@ class Deployment:
         gone (the servers' logs hold the causes of a failure, not Ray's)."""
         assert self._ray_dir is not None
         remove_ray_folder(self._ray_dir)
+
+
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+# Where Ray looks for (and a new local cluster writes) its token by default.
+RAY_DEFAULT_TOKEN = Path.home() / ".ray" / "auth_token"
+
+
+def own_ray_token(folder: str) -> dict[str, str | None] | None:
+    """A new local Ray cluster's token in `folder`/ray-auth-token
+    (RAY_AUTH_TOKEN_PATH, read by this process and the Ray processes and
+    actors it starts), so Ray does not write ~/.ray/auth_token. Returns Ray's
+    auth variables as they were, to restore when the cluster is gone; None
+    (nothing done) when the user configured a mode or token."""
+    if any(os.environ.get(k) for k in RAY_AUTH_VARS):
+        return None
+    saved = {k: os.environ.get(k) for k in RAY_AUTH_VARS}
+    path = os.path.join(folder, "ray-auth-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    return saved
 
 
 # Ray's longest socket path below its temp dir:
