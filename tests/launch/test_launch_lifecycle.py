@@ -147,9 +147,85 @@ def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
         assert len(pids) == 2
         os.kill(dec.info["actor_pid"], signal.SIGKILL)
         assert gone(pids) == []
-        with pytest.raises(LaunchError, match="a supervisor actor died"):
+        with pytest.raises(LaunchError, match="decode-0: its supervisor actor died"):
             deadline = time.monotonic() + 60
             dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+
+
+class _Unavailable:
+    """Stands in for a supervisor actor handle: its first `n` status polls
+    fail with Ray's transient ActorUnavailableError, then the real actor
+    answers."""
+
+    def __init__(self, actor, n: int) -> None:
+        import ray
+
+        @ray.remote(num_cpus=0)
+        def unavailable():
+            raise ray.exceptions.ActorUnavailableError("RpcError: Connection reset "
+                                                       "by peer", None)
+
+        self._actor, self._n, self._fail = actor, n, unavailable
+        self.status = self
+
+    def remote(self):
+        if self._n > 0:
+            self._n -= 1
+            return self._fail.remote()
+        return self._actor.status.remote()
+
+    def __getattr__(self, name):
+        return getattr(self._actor, name)
+
+
+def test_unreachable_supervisor_is_not_a_death(ray_cluster):
+    """Ray's transient errors (ActorUnavailableError, no answer in time:
+    a partitioned or frozen node) are not deaths within the grace period:
+    the node is logged as unreachable, polling goes on, the deployment
+    keeps serving; past the grace period it is one."""
+    lines: list[str] = []
+    with Deployment(config(unreachable_grace_s=30), progress=lines.append) as dep:
+        dec = dep.role_instances("decode")[0]
+        real = dec.actor
+        dec.actor = _Unavailable(real, 3)
+        sts = [s["state"] for s in (dep.poll()[1] for _ in range(3))]
+        assert sts == ["unreachable"] * 3
+        assert ask(dep.url)["served_by"]["role"] == "decode"  # still serving
+        assert dep.poll()[1]["state"] == "healthy"
+        dec.actor = real
+        # a frozen supervisor (no answer): SIGSTOP its process
+        dep.status_timeout_s = 1.0
+        os.kill(dec.info["actor_pid"], signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+            assert dep.poll()[1]["state"] == "unreachable"
+        finally:
+            os.kill(dec.info["actor_pid"], signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while dep.poll()[1]["state"] != "healthy":
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        assert ask(dep.url)["served_by"]["role"] == "decode"
+    text = "\n".join(lines)
+    assert re.search(r"decode-0 on node \S+ unreachable \(The actor \S+ is unavailable: "
+                     r"RpcError: Connection reset by peer.*polling it again for up to "
+                     r"30 s", text), text
+    assert "decode-0 on node" in text and "unreachable (no answer within 1 s)" in text
+    assert text.count("reachable again after") == 2, text
+
+    # past the grace period: a death
+    with Deployment(config(unreachable_grace_s=2)) as dep:
+        dec = dep.role_instances("decode")[0]
+        dep.status_timeout_s = 0.5
+        os.kill(dec.info["actor_pid"], signal.SIGSTOP)
+        try:
+            with pytest.raises(LaunchError, match=r"decode-0 on node \S+ unreachable for "
+                               r"more than 2 s \(--unreachable-grace\): no answer"):
+                deadline = time.monotonic() + 30
+                dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+        finally:
+            os.kill(dec.info["actor_pid"], signal.SIGCONT)
 
 
 def test_restarts_are_bounded(ray_cluster, tmp_path):
@@ -305,6 +381,215 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
     folder = Path(re.search(r"log (\S+)/prefill-0\.log", err).group(1))
     assert folder.name.startswith("vllm-patch-launch-") and not folder.exists(), err
     assert "logs kept" not in err
+
+
+def test_cli_signal_during_close_is_waited_for(ray_cluster, tmp_path):
+    """A deployment closing after an error (an instance died for good) is
+    not interrupted by SIGINT / SIGTERM: each is acknowledged, the close
+    finishes (every server stopped, the deployment's folders gone), the
+    error is printed and the exit code is 1."""
+    import tempfile
+    import threading
+
+    exe = Path(sys.executable).with_name("vllm-patch")
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(f"model: standin\nserver_command: {json.dumps(STANDIN)}\n"
+                   "env: {VLLM_CPU_KVCACHE_SPACE: '1', STANDIN_STOP_DELAY_S: '6'}\n"
+                   "max_restarts: 0\n"
+                   "prefill: {node_resource: prefill_node}\n"
+                   "decode: {node_resource: decode_node, "
+                   "env: {STANDIN_CRASH_AFTER_S: '3'}}\n")
+    tmp = Path(tempfile.gettempdir())
+    before = set(tmp.glob("vllm-patch-launch-*"))
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--config", str(cfg), "--address", ray_cluster.address,
+         "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 90
+        while not any("stopping 2 instance(s)" in line for line in err):
+            assert proc.poll() is None, "".join(err)
+            assert time.monotonic() < deadline, "".join(err)
+            time.sleep(0.1)
+        pids = [int(m) for line in err
+                for m in re.findall(r"starting: \S+ pid (\d+)", line)]
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        reader.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(err)
+    assert proc.returncode == 1, text
+    assert "SIGINT: already stopping, please wait" in text, text
+    assert "SIGTERM: already stopping, please wait" in text, text
+    assert re.search(r"^error: decode-0: ", text, re.M), text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.rstrip().splitlines()[-1].startswith("error: ") or \
+        "] stopped" in text, text
+    assert len(pids) == 2 and gone(pids) == []
+    assert set(tmp.glob("vllm-patch-launch-*")) - before == set(), text
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "decode-0.log", "prefill-0.log"]  # the user's log folder: kept
+
+
+def test_cli_long_tmpdir_local_ray(tmp_path):
+    """With a 60-character TMPDIR (CI runners, pam_tmpdir, SLURM job
+    folders) the command, starting its own local Ray cluster, works: Ray's
+    files go to a short folder of their own, vLLM's sockets too, and
+    nothing is left behind (in TMPDIR, in /tmp, in ~/.ray)."""
+    tmpdir = Path("/tmp") / ("vp-long-tmpdir-" + "x" * 60)
+    tmpdir = Path(str(tmpdir)[:60])
+    assert len(str(tmpdir)) == 60
+    tmpdir.mkdir()
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text(f"model: standin\nserver_command: {json.dumps(STANDIN)}\n"
+                   "env: {VLLM_CPU_KVCACHE_SPACE: '1'}\n")
+    ready = tmp_path / "ready.json"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
+                        "RAY_AUTH_TOKEN_PATH")}
+    env["TMPDIR"] = str(tmpdir)
+    token = Path.home() / ".ray" / "auth_token"
+    token_before = token.read_bytes() if token.exists() else None
+    exe = Path(sys.executable).with_name("vllm-patch")
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--config", str(cfg), "--port", "0", "--ready-file",
+         str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        info = json.loads(ready.read_text())
+        assert ask(info["url"])["served_by"]["role"] == "decode"
+        # vLLM's socket folder: short enough for its <uuid4> socket names
+        server_env = dict(e.split("=", 1) for e in Path(
+            f"/proc/{info['instances'][0]['pid']}/environ").read_text().split("\0") if e)
+        ipc = server_env["VLLM_RPC_BASE_PATH"]
+        assert len(ipc) + 37 <= 107 and os.path.isdir(ipc), ipc
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    try:
+        assert proc.returncode == 0, err
+        assert re.search(r"starting a local Ray cluster \(its files in "
+                         r"/tmp/vllm-patch-ray-\w+\)", err), err
+        assert "Traceback" not in err, err
+        assert list(tmpdir.iterdir()) == [], list(tmpdir.iterdir())
+        dep_id = re.search(r"/tmp/vllm-patch-ray-(\w+)", err).group(1)
+        assert ipc == f"/tmp/vllm-patch-ipc-{dep_id}"
+        left = [p for p in (f"/tmp/vllm-patch-ray-{dep_id}", ipc) if os.path.exists(p)]
+        assert left == [], left
+        token_after = token.read_bytes() if token.exists() else None
+        assert token_after == token_before, f"the launch left {token}"
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def test_ray_start_failure_is_one_line(monkeypatch):
+    """Ray's start raising (a deterministic failure) is a LaunchError with
+    its cause on one line, not a traceback; a folder too long for Ray's
+    sockets is refused before anything starts, naming the limit."""
+    import ray
+
+    from vllm_patch.launch import deployment
+
+    def boom(**kw):
+        raise OSError("validate_socket_filename failed: AF_UNIX path length cannot "
+                      "exceed 107 bytes: /x\nmore lines")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # the session's Ray stays
+    monkeypatch.setattr(ray, "init", boom)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    dep = Deployment(config())
+    with pytest.raises(LaunchError) as e:
+        with dep:
+            pass
+    assert str(e.value) == ("could not start a local Ray cluster: OSError: "
+                            "validate_socket_filename failed: AF_UNIX path length "
+                            "cannot exceed 107 bytes: /x")
+    assert not os.path.exists(f"/tmp/vllm-patch-ray-{dep.id}")  # removed
+    dep = Deployment(config(address="127.0.0.1:1"))
+    with pytest.raises(LaunchError, match=r"^could not connect to the Ray cluster at "
+                       r"127.0.0.1:1: OSError: validate_socket_filename failed: [^\n]*$"):
+        with dep:
+            pass
+    def refused(**kw):
+        raise ray.exceptions.AuthenticationError("Token mismatch")
+
+    monkeypatch.setattr(ray, "init", refused)
+    with pytest.raises(LaunchError, match=r"AuthenticationError: .*must agree on Ray's "
+                       r"token authentication.*RAY_AUTH_MODE=token"):
+        with Deployment(config(address="127.0.0.1:1")):
+            pass
+    monkeypatch.setattr(deployment.tempfile, "gettempdir", lambda: "/t" + "x" * 60)
+    monkeypatch.setattr(deployment.os, "mkdir", lambda *a: (_ for _ in ()).throw(
+        PermissionError(13, "Permission denied")))
+    with pytest.raises(LaunchError, match=r"Ray's AF_UNIX socket paths \(at most 107 "
+                       r"bytes\) need a short, writable folder \(/tmp: Permission denied; "
+                       r"/t x+: too long\); make /tmp writable, set TMPDIR".replace(" x", "x")):
+        deployment.ray_folder("abcd1234")
+
+
+def test_ray_token_of_the_launch_is_removed(monkeypatch, tmp_path):
+    """A local Ray cluster's token goes in the launch's own Ray folder
+    (RAY_AUTH_TOKEN_PATH while it runs, restored after); a default token
+    file (~/.ray/auth_token) that the start created is removed at close,
+    one that existed before never is; a token the user configured is left
+    alone."""
+    import ray
+
+    from vllm_patch.launch import deployment
+
+    default = tmp_path / ".ray" / "auth_token"
+    monkeypatch.setattr(deployment, "RAY_DEFAULT_TOKEN", default)
+    for k in deployment.RAY_AUTH_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # the session's Ray stays
+    seen = {}
+
+    def init(**kw):  # Ray writes its default token, then fails to start
+        seen["path"] = os.environ.get("RAY_AUTH_TOKEN_PATH")
+        seen["token"] = Path(seen["path"]).read_text()
+        default.parent.mkdir(exist_ok=True)
+        default.write_text("ray's")
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(ray, "init", init)
+    dep = Deployment(config())
+    with pytest.raises(LaunchError, match="could not start a local Ray cluster"):
+        with dep:
+            pass
+    assert seen["path"] == f"/tmp/vllm-patch-ray-{dep.id}/ray-auth-token"
+    assert len(seen["token"]) == 64
+    assert "RAY_AUTH_TOKEN_PATH" not in os.environ
+    assert not default.exists() and not default.parent.exists()
+    # one that was there before stays
+    default.parent.mkdir()
+    default.write_text("theirs")
+    with pytest.raises(LaunchError):
+        with Deployment(config()):
+            pass
+    assert default.read_text() == "ray's"  # (what the fake Ray wrote over it)
+    # a token the user configured: not replaced
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/theirs")
+    with pytest.raises(LaunchError):
+        with Deployment(config()):
+            pass
+    assert seen["path"] == "/theirs" and os.environ["RAY_AUTH_TOKEN_PATH"] == "/theirs"
 
 
 def test_cli_start_failure_fails_fast(ray_cluster):

@@ -10,7 +10,8 @@ YAML file (see vllm_patch/launch/config.py for its keys). Progress and
 errors go to stderr; the endpoint line `endpoint: http://host:port` to
 stdout, and with --ready-file a JSON file {"url", "instances"} is written
 once every instance answers /health. Ctrl-C, SIGINT or SIGTERM (also when
-the command runs in the background) tears everything down.
+the command runs in the background) tears everything down; a signal that
+arrives while it is stopping only says so (the stop goes on to the end).
 
 Memory: on the CPU, vLLM reserves --gpu-memory-utilization (default 0.92) of
 the host's memory for each server. Servers that share a host get a share
@@ -20,16 +21,24 @@ VLLM_CPU_KVCACHE_SPACE keeps the user's setting.
 
 Files: each node keeps the deployment's files in
 <temp dir>/vllm-patch-launch-<id>: server logs (or in --log-dir), the
-ExampleConnector KV storage, the local Ray cluster's session. At the end the
-KV storage and Ray's session are removed, and the logs too unless the
-deployment failed (then the last line says where they are).
+ExampleConnector KV storage, vLLM's sockets (in /tmp/vllm-patch-ipc-<id> when
+TMPDIR is too long for a socket's 107-byte path). A local Ray cluster the
+command starts keeps its files in /tmp/vllm-patch-ray-<id>. At the end the
+KV storage, the sockets and Ray's files are removed, and the logs too unless
+the deployment failed (then the last line says where they are).
 
 A server that never became healthy and fails twice with the same error is
 not restarted again: the command stops everything and prints the error and
 the server's last log lines.
 
+A node that stops answering (a network partition, a frozen host) is logged
+as unreachable and polled again; only a supervisor that is gone, or one
+unreachable for longer than --unreachable-grace seconds, stops the
+deployment.
+
 Exit codes: 0 after a requested stop, 1 when the deployment cannot start or
-an instance keeps dying (more than --max-restarts restarts), 2 bad usage.
+an instance keeps dying (more than --max-restarts restarts) or its node stays
+unreachable, 2 bad usage.
 """
 
 from __future__ import annotations
@@ -52,6 +61,8 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
             o[key] = v
     if a.start_timeout is not None:
         o["start_timeout_s"] = a.start_timeout
+    if a.unreachable_grace is not None:
+        o["unreachable_grace_s"] = a.unreachable_grace
     if a.vllm_args:
         o["vllm_args"] = a.vllm_args
     if a.kv_connector_extra_config is not None:
@@ -92,10 +103,16 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _stop(signum: int, frame: Any) -> None:
-    """SIGINT / SIGTERM: stop (once; a second signal while stopping waits)."""
+    """SIGINT / SIGTERM: stop (once). A signal while stopping, or while a
+    deployment is closing after an error, is acknowledged and otherwise
+    ignored: the close finishes, so every server and folder goes and the
+    error that caused it is still printed."""
     global _stopping
-    if _stopping:
-        print("stopping, please wait", file=sys.stderr, flush=True)
+    from vllm_patch.launch import deployment
+
+    if _stopping or deployment.closing():
+        print(f"{signal.Signals(signum).name}: already stopping, please wait until "
+              "every server has stopped", file=sys.stderr, flush=True)
         return
     _stopping = True
     raise KeyboardInterrupt
@@ -169,6 +186,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, help="router port (default 8000; 0: free)")
     p.add_argument("--max-restarts", type=int, help="restarts per instance (default 3)")
     p.add_argument("--start-timeout", type=float, help="seconds to wait for /health")
+    p.add_argument("--unreachable-grace", type=float, metavar="SECONDS",
+                   help="how long a node may stay unreachable (a network partition, "
+                   "Ray's transient errors) before its instances count as dead and "
+                   "the deployment stops (default 120)")
     p.add_argument("--log-dir", metavar="DIR",
                    help="server logs, on each node, always kept (default: the "
                    "deployment's temp folder, kept only if the deployment fails)")

@@ -82,6 +82,11 @@ class LaunchConfig(_Strict):
     router: RouterConfig = Field(default_factory=RouterConfig)
     max_restarts: int = Field(3, ge=0)
     start_timeout_s: float = Field(600.0, gt=0)
+    # Seconds a supervisor actor may stay unreachable (Ray's transient
+    # ActorUnavailableError, or no answer in time: a partitioned or frozen
+    # node) before the launcher counts it as dead; meanwhile it logs the
+    # node as unreachable and keeps polling. A dead actor counts at once.
+    unreachable_grace_s: float = Field(120.0, ge=0)
     # The server each instance supervises; "{python}" is the node's Python.
     server_command: list[str] = Field(default_factory=lambda: list(DEFAULT_SERVER_COMMAND))
     # Server logs on each node, always kept; None: the deployment's temp

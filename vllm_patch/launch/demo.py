@@ -30,6 +30,7 @@ import argparse
 import logging
 import os
 import re
+import secrets
 import tempfile
 import time
 import urllib.request
@@ -131,22 +132,13 @@ def holds(row: dict[str, Any]) -> bool:
 
 
 def keep_ray_token_in(workdir: str) -> None:
-    """Ray (2.60) turns token authentication on for a new local cluster and,
-    with no token configured, writes one to ~/.ray/auth_token, which stays
-    after the demo (and makes later `ray start --head` clusters use tokens).
-    Give this cluster its own token in the work dir instead, removed with it.
-    A token or mode the user configured is left alone."""
-    if any(os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN",
-                                       "RAY_AUTH_TOKEN_PATH")):
-        return
-    import secrets
+    """The demo's local Ray cluster gets its own token in the work dir
+    (removed with it), not ~/.ray/auth_token (see
+    vllm_patch.launch.deployment.own_ray_token); a token or mode the user
+    configured is left alone."""
+    from vllm_patch.launch.deployment import own_ray_token
 
-    path = os.path.join(workdir, "ray-auth-token")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    # this process, and the Ray processes and actors it starts, read it
-    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    own_ray_token(workdir)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -154,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
 
     from vllm_patch.launch import show_progress
     from vllm_patch.launch.command import handle_stop_signals
-    from vllm_patch.launch.deployment import remove_ray_folder
+    from vllm_patch.launch.deployment import ray_folder, remove_ray_folder
     from vllm_patch.testing import workload as wl
     from vllm_patch.testing import tiny_model
 
@@ -166,20 +158,22 @@ def main(args: argparse.Namespace) -> int:
     requests = wl.build_requests()[:args.requests] if args.requests else wl.build_requests()
     rows = []
     with tempfile.TemporaryDirectory(prefix="vllm-patch-demo-") as workdir:
-        logger.info("starting a local Ray cluster")
+        # Ray's files in a short folder of their own (its socket paths must
+        # fit in 107 bytes whatever TMPDIR is), removed at the end
+        ray_dir = ray_folder(secrets.token_hex(4))
+        logger.info("starting a local Ray cluster (its files in %s)", ray_dir)
         keep_ray_token_in(workdir)
-        # Ray's session folder inside the work dir (removed with it);
-        # ray.init sets its own SIGTERM handler: put ours back
-        ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                 _temp_dir=f"{workdir}/ray")
-        handle_stop_signals()
         try:
+            # ray.init sets its own SIGTERM handler: put ours back
+            ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                     _temp_dir=ray_dir)
+            handle_stop_signals()
             for mode in args.modes:
                 rows.append(run_mode(mode, model, workdir, requests, args.spec_k,
                                      args.log_dir))
         finally:
             ray.shutdown()
-            remove_ray_folder(f"{workdir}/ray")
+            remove_ray_folder(ray_dir)
     import vllm
 
     print()

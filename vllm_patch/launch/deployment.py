@@ -11,9 +11,12 @@ every server's process group and every actor, and the local Ray cluster if
 this process started it. Nothing else is touched. Each node keeps the
 deployment's files in one folder, `<temp dir>/vllm-patch-launch-<id>`:
 server logs (unless `log_dir` is set), ExampleConnector's KV storage (unless
-`shared_storage_path` is set), vLLM's IPC sockets, and the local Ray
-cluster's session; the KV storage goes at the end, the rest too unless the
-deployment failed (then the logs stay, and the last message says where).
+`shared_storage_path` is set) and vLLM's IPC sockets (in
+`/tmp/vllm-patch-ipc-<id>` when the temp dir's path is too long for an
+AF_UNIX socket address); a local Ray cluster this process starts keeps its
+session in `/tmp/vllm-patch-ray-<id>` (short whatever TMPDIR is). The KV
+storage, the sockets and Ray's session go at the end, the logs too unless
+the deployment failed (then the last message says where).
 
 Memory: on a CPU node vLLM reserves `--gpu-memory-utilization` (default
 0.92) of the NUMA node's memory per server and refuses to start when less is
@@ -40,12 +43,16 @@ import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any, Callable
 
 from vllm_patch.launch.config import ROLES, LaunchConfig, LaunchError
 from vllm_patch.launch.supervisor import InstanceSupervisor, port_free
 
 PLACE_TIMEOUT_S = 120.0
+# A supervisor that has not answered a status poll within this many seconds
+# is unreachable for that poll (see LaunchConfig.unreachable_grace_s).
+STATUS_TIMEOUT_S = 30.0
 
 # vLLM's default --gpu-memory-utilization (CacheConfig.gpu_memory_utilization),
 # on the CPU the fraction of the NUMA node's memory one server reserves.
@@ -65,6 +72,15 @@ MEMORY_FLAGS = ("--gpu-memory-utilization", "--device-memory-utilization",
                 "--kv-cache-memory-bytes")
 
 logger = logging.getLogger(__name__)
+
+# Deployments of this process inside close() (see closing()).
+_closing = 0
+
+
+def closing() -> bool:
+    """True while a deployment of this process is stopping: a stop signal
+    then must not interrupt it (command.py's handler waits instead)."""
+    return _closing > 0
 
 
 @dataclasses.dataclass
@@ -145,6 +161,13 @@ class Deployment:
         self.id = secrets.token_hex(4)
         self._ray_dir: str | None = None
         self._kv_storage: str | None = None
+        # Ray's auth variables before this deployment set its own token
+        self._ray_env: dict[str, str | None] | None = None
+        self._created_token = False
+        # instance name -> when its supervisor stopped answering
+        self._unreachable_since: dict[str, float] = {}
+        # how long one poll waits for the supervisors' answers
+        self.status_timeout_s = STATUS_TIMEOUT_S
 
     # ---- public --------------------------------------------------------
     @property
@@ -221,16 +244,44 @@ class Deployment:
             self._say("using the Ray connection of this process")
         elif address:
             self._say(f"connecting to Ray at {address}")
-            ray.init(address=address, log_to_driver=False)
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except Exception as e:  # noqa: BLE001 - say why, no traceback
+                ray.shutdown()
+                hint = ""
+                if "authentication" in f"{type(e).__name__} {e}".lower():
+                    hint = (" (the cluster and this command must agree on Ray's token "
+                            "authentication: with a token file, `ray start --head` turns "
+                            "it on while a client given an address does not; set "
+                            "RAY_AUTH_MODE=token here, with the cluster's token in "
+                            "~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or "
+                            "start the cluster with RAY_AUTH_MODE=disabled)")
+                raise LaunchError(f"could not connect to the Ray cluster at {address}: "
+                                  f"{type(e).__name__}: {_ray_error_line(e)}{hint}"
+                                  ) from None
             self._connected = True
         else:
-            self._say("starting a local Ray cluster")
-            # its session folder inside the deployment's, not /tmp/ray
-            self._ray_dir = os.path.join(tempfile.gettempdir(),
-                                         f"vllm-patch-launch-{self.id}", "ray")
-            # "local": a new cluster, never a running one found on this host
-            ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                     _temp_dir=self._ray_dir)
+            # its session folder in a short folder of its own, not /tmp/ray
+            # nor under TMPDIR: Ray's socket paths must fit in 107 bytes
+            self._ray_dir = ray_folder(self.id)
+            self._say(f"starting a local Ray cluster (its files in {self._ray_dir})")
+            # Ray (2.60) turns token authentication on for a new local cluster
+            # and would write its token to ~/.ray/auth_token, where it stays
+            # (and turns tokens on for later `ray start --head` clusters):
+            # this cluster's token goes in its own folder instead
+            self._ray_env = own_ray_token(self._ray_dir)
+            token_existed = RAY_DEFAULT_TOKEN.exists()
+            try:
+                # "local": a new cluster, never a running one found on this host
+                ray.init(address="local", include_dashboard=False, log_to_driver=False,
+                         _temp_dir=self._ray_dir)
+            except Exception as e:  # noqa: BLE001 - Ray's start failed: say why
+                ray.shutdown()
+                raise LaunchError(f"could not start a local Ray cluster: "
+                                  f"{type(e).__name__}: {_ray_error_line(e)}") from None
+            finally:
+                if not token_existed and RAY_DEFAULT_TOKEN.exists():
+                    self._created_token = True  # by this start: removed at close
             self._connected = self._owns_ray = True
         _restore_signal_handlers(handlers)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -292,7 +343,7 @@ class Deployment:
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", inst.info["ip"])
         env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(side_channel_port))
         # vLLM's ZMQ IPC sockets: in the deployment's folder, not the temp dir
-        env.setdefault("VLLM_RPC_BASE_PATH", inst.info["tmp_dir"])
+        env.setdefault("VLLM_RPC_BASE_PATH", inst.info["ipc_dir"])
         if bind is not None:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         return env
@@ -459,21 +510,45 @@ class Deployment:
                       + (f", cores {bind}" if bind else "") + f", log {st['log']}")
 
     def poll(self) -> list[dict[str, Any]]:
-        """Current status of every instance; LaunchError if one has failed."""
+        """Current status of every instance; LaunchError if one has failed,
+        its supervisor actor is dead, or it has been unreachable for longer
+        than `unreachable_grace_s` (until then its last status is returned
+        with state "unreachable")."""
         import ray
 
-        try:
-            sts = ray.get([i.actor.status.remote() for i in self.instances], timeout=60)
-        except ray.exceptions.OutOfMemoryError as e:
-            raise LaunchError(
-                "Ray's memory monitor killed the supervisor actors, and their servers "
-                f"with them: {str(e).splitlines()[0]} (give the servers less memory: "
-                "--gpu-memory-utilization or --kv-cache-memory-bytes after `--`)"
-            ) from None
-        except ray.exceptions.RayError as e:
-            raise LaunchError("a supervisor actor died (its server was signalled to "
-                              f"stop): {str(e).splitlines()[0]}") from None
+        refs = [i.actor.status.remote() for i in self.instances]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.status_timeout_s)
+        answered = set(ready)
+        sts: list[dict[str, Any]] = []
+        for inst, ref in zip(self.instances, refs):
+            if ref not in answered:
+                sts.append(self._unreachable(inst, f"no answer within "
+                                             f"{self.status_timeout_s:g} s"))
+                continue
+            try:
+                st = ray.get(ref, timeout=0)
+            except ray.exceptions.OutOfMemoryError as e:
+                raise LaunchError(
+                    "Ray's memory monitor killed the supervisor actors, and their "
+                    f"servers with them: {str(e).splitlines()[0]} (give the servers "
+                    "less memory: --gpu-memory-utilization or --kv-cache-memory-bytes "
+                    "after `--`)") from None
+            except (ray.exceptions.ActorUnavailableError,
+                    ray.exceptions.GetTimeoutError) as e:
+                sts.append(self._unreachable(inst, _ray_error_line(e)))
+                continue
+            except ray.exceptions.RayError as e:
+                raise LaunchError(f"{inst.name}: its supervisor actor died (its server "
+                                  f"was signalled to stop): {str(e).splitlines()[0]}"
+                                  ) from None
+            since = self._unreachable_since.pop(inst.name, None)
+            if since is not None:
+                self._say(f"{inst.name} on node {inst.info.get('ip', '?')} reachable "
+                          f"again after {time.monotonic() - since:.0f} s")
+            sts.append(st)
         for inst, st in zip(self.instances, sts):
+            if st["state"] == "unreachable":
+                continue
             prev = inst.status
             inst.status = st
             if st["state"] == "failed":
@@ -487,6 +562,22 @@ class Deployment:
             if st["state"] != prev.get("state") and st["state"] == "healthy":
                 self._say(f"{inst.name} healthy at {st['url']}")
         return sts
+
+    def _unreachable(self, inst: Instance, why: str) -> dict[str, Any]:
+        """A transient failure to reach an instance's supervisor: its last
+        status marked "unreachable" while within the grace period, else
+        LaunchError."""
+        now = time.monotonic()
+        since = self._unreachable_since.setdefault(inst.name, now)
+        grace = self.cfg.unreachable_grace_s
+        where = f"{inst.name} on node {inst.info.get('ip', '?')}"
+        if now - since > grace:
+            raise LaunchError(f"{where} unreachable for more than {grace:g} s "
+                              f"(--unreachable-grace): {why}")
+        if since == now:
+            self._say(f"{where} unreachable ({why}); polling it again for up to "
+                      f"{grace:g} s", logging.WARNING)
+        return {**inst.status, "name": inst.name, "state": "unreachable"}
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
         timeout_s = timeout_s or self.cfg.start_timeout_s
@@ -520,10 +611,18 @@ class Deployment:
     def close(self, failed: bool = False) -> None:
         """Stop everything; remove the deployment's files (the KV storage
         always, logs unless `failed` or a log_dir was given)."""
+        global _closing
         if self._closed:
             return
         self._closed = True
         self._failed = failed
+        _closing += 1
+        try:
+            self._close(failed)
+        finally:
+            _closing -= 1
+
+    def _close(self, failed: bool) -> None:
         if self.router is not None:
             self.router.stop()
         kept: list[str] = []
@@ -553,6 +652,18 @@ class Deployment:
             ray.shutdown()
         if self._ray_dir is not None:
             self._remove_ray_dir()
+        if self._created_token:
+            RAY_DEFAULT_TOKEN.unlink(missing_ok=True)
+            try:
+                RAY_DEFAULT_TOKEN.parent.rmdir()  # only when empty
+            except OSError:
+                pass
+        if self._ray_env is not None:
+            for k, v in self._ray_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self._remove_local_folder()
         if kept:
             self._say(f"logs kept: {', '.join(kept)}")
@@ -580,12 +691,71 @@ class Deployment:
         """The local Ray cluster's session folder, once its processes are
         gone (the servers' logs hold the causes of a failure, not Ray's)."""
         assert self._ray_dir is not None
-        folder = os.path.dirname(self._ray_dir)
         remove_ray_folder(self._ray_dir)
+
+
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+# Where Ray looks for (and a new local cluster writes) its token by default.
+RAY_DEFAULT_TOKEN = Path.home() / ".ray" / "auth_token"
+
+
+def own_ray_token(folder: str) -> dict[str, str | None] | None:
+    """A new local Ray cluster's token in `folder`/ray-auth-token
+    (RAY_AUTH_TOKEN_PATH, read by this process and the Ray processes and
+    actors it starts), so Ray does not write ~/.ray/auth_token. Returns Ray's
+    auth variables as they were, to restore when the cluster is gone; None
+    (nothing done) when the user configured a mode or token."""
+    if any(os.environ.get(k) for k in RAY_AUTH_VARS):
+        return None
+    saved = {k: os.environ.get(k) for k in RAY_AUTH_VARS}
+    path = os.path.join(folder, "ray-auth-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ["RAY_AUTH_TOKEN_PATH"] = path
+    return saved
+
+
+# Ray's longest socket path below its temp dir:
+# /session_2026-12-03_05-57-09_123456_1234567/sockets/plasma_store
+RAY_SOCKET_SUFFIX_LEN = 64
+
+
+def ray_folder(deployment_id: str) -> str:
+    """A new folder for a local Ray cluster's files, short enough for Ray's
+    AF_UNIX socket paths (at most 107 bytes) whatever TMPDIR is: under /tmp,
+    else under the temp dir if that is short; LaunchError (before anything
+    starts) when neither is possible."""
+    from vllm_patch.launch.supervisor import SOCKET_PATH_MAX
+
+    name = f"vllm-patch-ray-{deployment_id}"
+    tried = []
+    for parent in dict.fromkeys(("/tmp", tempfile.gettempdir())):
+        path = os.path.join(parent, name)
+        if len(os.fsencode(path)) + RAY_SOCKET_SUFFIX_LEN > SOCKET_PATH_MAX:
+            tried.append(f"{parent}: too long")
+            continue
         try:
-            os.rmdir(folder)
-        except OSError:
-            pass
+            os.mkdir(path, 0o700)
+            return path
+        except OSError as e:
+            tried.append(f"{parent}: {e.strerror}")
+    raise LaunchError(
+        "no folder for the local Ray cluster's files: Ray's AF_UNIX socket paths "
+        f"(at most {SOCKET_PATH_MAX} bytes) need a short, writable folder "
+        f"({'; '.join(tried)}); make /tmp writable, set TMPDIR to a short folder, "
+        "or start Ray yourself and pass --address")
+
+
+def _ray_error_line(e: BaseException) -> str:
+    """The first line of a Ray error's message (of its cause when it was
+    raised in a task), without terminal colours."""
+    import re
+
+    cause = getattr(e, "cause", None)
+    text = str(cause if isinstance(cause, BaseException) else e)
+    return re.sub(r"\x1b\[[0-9;]*m", "", text).strip().splitlines()[0] if text.strip() \
+        else type(e).__name__
 
 
 def remove_ray_folder(path: str) -> None:

@@ -50,6 +50,10 @@ from typing import Any
 from vllm_patch.launch.config import LaunchError, model_is_path
 
 PR_SET_PDEATHSIG = 1
+# An AF_UNIX socket path holds at most 107 bytes (sun_path, 108 with the
+# final NUL). vLLM names its ZMQ IPC sockets VLLM_RPC_BASE_PATH/<uuid4>.
+SOCKET_PATH_MAX = 107
+VLLM_SOCKET_NAME_LEN = len("/") + 36
 GiB = 1 << 30
 
 # A Python exception line in a server log, vLLM's prefixes allowed:
@@ -150,6 +154,15 @@ def _die_with_parent() -> None:  # preexec_fn: runs in the child before exec
         pass
 
 
+def ipc_folder(deployment_dir: Path, deployment_id: str) -> Path:
+    """Where a server's vLLM IPC sockets go: the deployment's folder when
+    VLLM_RPC_BASE_PATH/<uuid> fits in an AF_UNIX path there, else
+    /tmp/vllm-patch-ipc-<id> (a long TMPDIR: CI runners, pam_tmpdir, SLURM)."""
+    if len(os.fsencode(str(deployment_dir))) + VLLM_SOCKET_NAME_LEN <= SOCKET_PATH_MAX:
+        return deployment_dir
+    return Path("/tmp") / f"vllm-patch-ipc-{deployment_id}"
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -224,6 +237,9 @@ class InstanceSupervisor:
         self.tmp_dir = Path(tempfile.gettempdir()) / (
             f"vllm-patch-launch-{deployment_id}" if deployment_id
             else f"vllm-patch-launch-{os.getpid()}-{name}")
+        # vLLM's IPC sockets: in the deployment's folder when their paths fit
+        # in an AF_UNIX address there, else in a short folder of their own
+        self.ipc_dir = ipc_folder(self.tmp_dir, deployment_id or self.tmp_dir.name)
         self.user_log_dir = log_dir is not None
         self.log_dir = Path(log_dir).expanduser() if log_dir else self.tmp_dir
         self.health_timeout_s = health_timeout_s
@@ -261,6 +277,7 @@ class InstanceSupervisor:
         return {"ip": self.host, "node_id": node_id, "hostname": socket.gethostname(),
                 "cpus": cpus, "python": sys.executable, "actor_pid": os.getpid(),
                 "tmp_dir": str(self.tmp_dir), "log_dir": str(self.log_dir),
+                "ipc_dir": str(self.ipc_dir),
                 "memory": node_memory(cpus[0]),
                 "kvcache_env": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")}
 
@@ -278,7 +295,7 @@ class InstanceSupervisor:
                               "plugin out; its guarantees would not be enforced")
         if model_is_path(model) and not Path(model).expanduser().exists():
             raise LaunchError(f"{where}: model path {model} does not exist")
-        for d in (self.tmp_dir, self.log_dir):
+        for d in (self.tmp_dir, self.log_dir, self.ipc_dir):
             try:
                 d.mkdir(parents=True, exist_ok=True)
             except OSError as e:
@@ -444,17 +461,18 @@ class InstanceSupervisor:
                 shutil.rmtree(p, ignore_errors=True)
         # vLLM's IPC sockets (VLLM_RPC_BASE_PATH points here), which a
         # server that failed leaves behind
-        try:
-            for entry in self.tmp_dir.iterdir():
-                if entry.is_socket():
-                    entry.unlink(missing_ok=True)
-        except OSError:
-            pass
+        for d in {self.tmp_dir, self.ipc_dir}:
+            try:
+                for entry in d.iterdir():
+                    if entry.is_socket():
+                        entry.unlink(missing_ok=True)
+            except OSError:
+                pass
         log = self.log_dir / f"{self.name}.log"
         keep = keep_logs or self.user_log_dir
         if not keep:
             log.unlink(missing_ok=True)
-        for d in {self.tmp_dir, self.log_dir}:
+        for d in {self.tmp_dir, self.log_dir, self.ipc_dir}:
             if d == self.log_dir and self.user_log_dir:
                 continue  # the user's folder: never removed
             try:

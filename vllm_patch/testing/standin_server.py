@@ -10,7 +10,8 @@ a teardown leaves it behind. Answers:
   `{"city": "paris", "items": [1]}` (decode) or `{` with kv_transfer_params
   (prefill), and `"served_by": {"pid", "role", "port"}`.
 Env: STANDIN_CRASH_AFTER_S=x exits with code 3 after x seconds (a dying
-instance); STANDIN_START_DELAY_S=x waits x seconds before listening.
+instance); STANDIN_START_DELAY_S=x waits x seconds before listening;
+STANDIN_STOP_DELAY_S=x takes x seconds to stop on SIGTERM (a slow shutdown).
 Not a model: nothing here is under test.
 """
 
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             self._send(200, json.dumps(out).encode())
 
     def on_sigterm(signum: int, frame: object) -> None:  # like vLLM: children go too
+        time.sleep(float(os.environ.get("STANDIN_STOP_DELAY_S", "0")))
         child.kill()
         os._exit(0)
 
