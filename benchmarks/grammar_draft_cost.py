@@ -141,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "unless --batch/--k/--vocabs say otherwise) and print "
                          "the hot spots")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--render", nargs="+", default=None, metavar="JSON",
+                    help="print the table of earlier runs' JSON files and exit")
     args = ap.parse_args(argv)
     if args.quick:
         args.vocabs, args.backends, args.k = "32k", "xgrammar", "4"
@@ -724,6 +726,10 @@ def table(cells: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.render:
+        cells = [c for p in args.render for c in json.loads(Path(p).read_text())["cells"]]
+        print(table(cells))
+        return 0
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     for f in FLAGS:
         os.environ.pop(f, None)
