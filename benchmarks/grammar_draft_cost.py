@@ -421,7 +421,7 @@ class Lane:
                 self.sampled[i] = []
 
     # -- drafting (worker side) --------------------------------------------
-    def draft(self, logits: Any, noise: float) -> tuple[int, int]:
+    def draft(self, logits: Any) -> tuple[int, int]:
         """prepare_next_token_ids_padded, then propose with k positions.
         Returns (thread CPU ns, of which building the given logits)."""
         import torch
@@ -562,7 +562,7 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
         lane = Lane(world, mode, k, batch, random.Random(args.seed), args)
         if mode != "stock":
             with _with_env(mode):
-                t = gd.tracker(lane.drafter)
+                gd.tracker(lane.drafter)
             lane.tracker = lane.drafter.__dict__.get(gd.TRACKER_ATTR)
             if lane.tracker is not None and lane.tracker.cost is not None:
                 # A GPU host's synchronisation price (0 on a CPU device).
@@ -592,7 +592,7 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
             argmax_before = _ARGMAX["ns"]
             if profile is not None and timed and mode == "always":
                 profile.enable()
-            draft_ns, logits_ns = lane.draft(logits, 0.0)
+            draft_ns, logits_ns = lane.draft(logits)
             if profile is not None:
                 profile.disable()
             comp = _COMPILE["ns"] - gd_compile_before
@@ -619,7 +619,6 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
             if t is not None and t.cost is not None and not t.reason_off:
                 c = t.cost.counts
                 on = c["steps_on"] - on_before.get("steps_on", 0)
-                off = c["steps_off"] - on_before.get("steps_off", 0)
                 row["on"] = 1.0 if on else 0.0
                 row["regime"] = t.cost.regime
             compile_ms[mode] += comp / 1e6
