@@ -23,8 +23,9 @@ class Clock:
 
 def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
            tokens: int, rows: int, host_us_per_row: float,
-           gain_per_row: float) -> list[bool]:
-    """n steps of a batch: decide, spend host time, then observe."""
+           gain_per_row: float, extra_rows_per_row: float = 0.0) -> list[bool]:
+    """n steps of a batch: decide, spend host time, then observe
+    (`extra_rows_per_row`: verification rows the walk adds per row)."""
     out = []
     for _ in range(n):
         if cost.dormant():
@@ -35,7 +36,8 @@ def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
         out.append(on)
         cost.host_ns += int(rows * host_us_per_row * 1e3)
         clock.now += int(step_ms * 1e6)
-        cost.observe(tokens, int(round(rows * gain_per_row)) if on else 0)
+        cost.observe(tokens, int(round(rows * gain_per_row)) if on else 0,
+                     int(round(rows * extra_rows_per_row)) if on else 0)
     return out
 
 
@@ -68,7 +70,15 @@ def test_off_then_dormant_then_rearmed(monkeypatch):
     assert on[0]  # measured first
     on += _steps(cost, clock, dc.DORMANT_AFTER + 5, step_ms=10, tokens=512,
                  rows=1, host_us_per_row=5, gain_per_row=0.0)
-    assert not any(on[3:]) and cost.regime == "dormant"
+    # Off from the second step: only the probes walk (every PROBE_EVERY-th
+    # step in a row that is off), then dormant.
+    first_off = on.index(False)
+    walked_off = [i - first_off + 1 for i, x in enumerate(on)
+                  if x and i > first_off]
+    assert first_off <= 2 and walked_off and \
+        all(n % dc.PROBE_EVERY == 0 for n in walked_off)
+    assert cost.counts["steps_probed"] == len(walked_off)
+    assert cost.regime == "dormant"
     assert cost.counts["dormant_periods"] == 1
     first_rearm = cost.rearm_at
     while cost.dormant():
@@ -81,6 +91,61 @@ def test_off_then_dormant_then_rearmed(monkeypatch):
     assert cost.regime == "dormant" and cost.counts["dormant_periods"] == 2
     assert cost.rearm_at - first_rearm >= 2 * dc.BACKOFF_FIRST
     assert cost.backoff == 4 * dc.BACKOFF_FIRST
+
+
+def test_first_steps_without_gain_do_not_turn_it_off(monkeypatch):
+    """A batch's first drafting steps often gain nothing (its requests just
+    left their prefills): one batch row, 2 tokens per step, 5 us of host
+    time in a 20 ms step; the walk then gains 1.5 tokens per step. The gain
+    starts from the prior and is averaged, not seeded by the first step."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    on = _steps(cost, clock, 3, step_ms=20, tokens=2, rows=1,
+                host_us_per_row=5, gain_per_row=0.0)
+    on += _steps(cost, clock, 40, step_ms=20, tokens=3, rows=1,
+                 host_us_per_row=5, gain_per_row=1.5)
+    assert all(on) and cost.regime == "on"
+
+
+def test_probe_brings_it_back(monkeypatch):
+    """Off after a long stretch without gain; the requests then reach text
+    the drafter gets wrong (the walk gains 3 tokens per row): a probe
+    measures it and the batch walks again before going dormant."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=30e3)
+    on = _steps(cost, clock, 40, step_ms=20, tokens=16, rows=8,
+                host_us_per_row=50, gain_per_row=0.0)
+    assert cost.regime == "off" and not on[-1]
+    on = _steps(cost, clock, 12, step_ms=20, tokens=16, rows=8,
+                host_us_per_row=50, gain_per_row=3.0)
+    assert cost.regime == "on" and on[-1] and cost.counts["dormant_periods"] == 0
+
+
+def test_verification_rows_are_charged(monkeypatch):
+    """B=256, cheap hooks (2 us per row in a 20 ms step), +0.2 tokens per
+    row (+10 %): on, until the scheduler's work is priced in: the walk's
+    drafts are all grammar-valid, 2 more verification rows per request
+    than stock's cut drafts, 50 us a row fill: off."""
+    clock = Clock(monkeypatch)
+    cheap = dc.DraftCost(enabled=True, sync_ns=0.0)
+    assert all(_steps(cheap, clock, 40, step_ms=20, tokens=512, rows=256,
+                      host_us_per_row=2, gain_per_row=0.2,
+                      extra_rows_per_row=2.0))
+    priced = dc.DraftCost(enabled=True, sync_ns=0.0)
+    priced.fill_sample(50e3)
+    on = _steps(priced, clock, 40, step_ms=20, tokens=512, rows=256,
+                host_us_per_row=2, gain_per_row=0.2, extra_rows_per_row=2.0)
+    assert on[0] and not on[-1] and priced.regime in ("off", "dormant")
+
+
+def test_row_fill_sampled_on_walking_steps():
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    sampled = []
+    for _ in range(40):
+        cost.decide(4, 4)
+        sampled.append(cost.wants_fill_sample())
+        cost.observe(8, 4)
+    assert sampled.count(True) == len(range(1, 41, dc.FILL_SAMPLE_EVERY))
 
 
 def test_disabled_model_always_walks(monkeypatch):

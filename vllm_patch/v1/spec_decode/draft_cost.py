@@ -16,14 +16,25 @@ Both sides are measured on the running worker, per step of its drafter:
   per step, plus the device-to-host synchronisations it adds (one to read
   the step's sampled tokens, at most one per draft position) at a modelled
   price (`VLLM_PATCH_DRAFT_SYNC_US`; 0 when the device is the CPU: there is
-  nothing to wait for). Measured per step, not assumed.
+  nothing to wait for). Measured per step, not assumed. Plus the
+  verification rows the walk adds to the scheduler's work: stock's
+  scheduler cuts a request's drafts at the first one its grammar refuses,
+  so the drafts handed over after the first changed position each get a
+  bitmask row (filled one after another on the engine thread) that stock
+  would not fill; priced at one row fill of a shadow, measured every
+  `FILL_SAMPLE_EVERY` walking steps (the same grammar, the same
+  vocabulary). Only walking steps' costs are averaged (a step that does not
+  walk costs the shadows' advance only: not what walking costs).
 
 Decision (every step, before drafting): walk the grammar iff
     rows * gain_per_row / tokens_per_step  >  cost_this_step / step_time
 i.e. the relative gain in tokens per step beats the relative growth of the
 step time (tokens per step and step time are the batch's, measured between
 consecutive steps). Off for a step: the drafts are stock's, the shadows are
-still advanced. Off for `DORMANT_AFTER` steps in a row: the feature goes
+still advanced; every `PROBE_EVERY`th step in a row that is off walks all
+the same (a probe: it measures the gain again, so that a batch whose first
+steps gained nothing, e.g. right after its prefills, comes back on where
+the walk pays). Off for `DORMANT_AFTER` steps in a row: the feature goes
 dormant, drops every shadow (no cost at all: the requests in flight draft as
 in stock for the rest of their life) and re-arms after a back-off (256
 steps, doubling up to 16,384 while it keeps going dormant) for the requests
@@ -44,6 +55,11 @@ logger = logging.getLogger(__name__)
 PRIOR_GAIN_PER_ROW = 1.0
 EMA = 0.1
 DORMANT_AFTER = 32
+# While off: every this many steps in a row a probe step walks.
+PROBE_EVERY = 8
+# A shadow's row fill (the price of a verification row) is timed every
+# this many walking steps.
+FILL_SAMPLE_EVERY = 16
 BACKOFF_FIRST, BACKOFF_MAX = 256, 16384
 
 
@@ -63,6 +79,9 @@ class DraftCost:
     cost_per_row_ns: float | None = None
     # None until measured (PRIOR_GAIN_PER_ROW stands in).
     gain_per_row: float | None = None
+    # One verification row's fill (a shadow's, timed now and then).
+    row_fill_ns: float | None = None
+    walked_steps: int = 0
     # This step's accounting (since the last observe).
     host_ns: int = 0
     syncs: int = 0
@@ -73,17 +92,28 @@ class DraftCost:
     rearm_at: int = 0
     backoff: int = BACKOFF_FIRST
     counts: dict[str, int] = field(default_factory=lambda: {
-        "steps_on": 0, "steps_off": 0, "dormant_periods": 0})
+        "steps_on": 0, "steps_off": 0, "steps_probed": 0,
+        "dormant_periods": 0})
 
     # -- accounting --------------------------------------------------------
     def charge(self, t0_ns: int) -> None:
         """Add this thread's CPU time since `t0_ns` (time.thread_time_ns)."""
         self.host_ns += time.thread_time_ns() - t0_ns
 
-    def observe(self, batch_tokens: int, gain_tokens: int) -> None:
+    def wants_fill_sample(self) -> bool:
+        """Time one shadow's row fill at this walking step?"""
+        return self.walked and self.walked_steps % FILL_SAMPLE_EVERY == 1
+
+    def fill_sample(self, ns: float) -> None:
+        self.row_fill_ns = _ema(self.row_fill_ns, ns)
+
+    def observe(self, batch_tokens: int, gain_tokens: int,
+                extra_rows: int = 0) -> None:
         """At a step's advance: what the previous step's drafting cost (its
         rows: those `decide` was asked about) and gained (the accepted
-        drafts this step verified, counted by the caller)."""
+        drafts this step verified, counted by the caller); `extra_rows`:
+        the drafts it handed over after the first changed position (the
+        scheduler's verification rows stock would not have filled)."""
         self.step += 1
         now = time.perf_counter_ns()
         if self.last_step_at is not None:
@@ -91,12 +121,15 @@ class DraftCost:
         self.last_step_at = now
         if batch_tokens > 0:
             self.tokens_per_step = _ema(self.tokens_per_step, float(batch_tokens))
-        if self.rows > 0:
-            cost = self.host_ns + self.syncs * self.sync_ns
+        if self.rows > 0 and self.walked:
+            cost = self.host_ns + self.syncs * self.sync_ns \
+                + extra_rows * (self.row_fill_ns or 0.0)
             self.cost_per_row_ns = _ema(self.cost_per_row_ns, cost / self.rows)
-            if self.walked:
-                self.gain_per_row = _ema(self.gain_per_row,
-                                         gain_tokens / self.rows)
+            # From the prior, not seeded by the first step (whose gain may
+            # be nothing: the batch's first drafts).
+            self.gain_per_row = _ema(
+                PRIOR_GAIN_PER_ROW if self.gain_per_row is None
+                else self.gain_per_row, gain_tokens / self.rows)
         self.host_ns = self.syncs = self.rows = 0
         self.walked = False
 
@@ -138,6 +171,8 @@ class DraftCost:
             return True
         gain, cost = self.expected(rows, positions)
         on = gain > cost
+        probe = not on and self.regime == "off" \
+            and (self.off_run + 1) % PROBE_EVERY == 0
         if on:
             self.off_run = 0
             self.counts["steps_on"] += 1
@@ -156,8 +191,13 @@ class DraftCost:
             self.regime = "off"
             if self.off_run >= DORMANT_AFTER:
                 self.go_dormant()
-        self.walked = on
-        return on
+                probe = False
+            elif probe:
+                self.counts["steps_probed"] += 1
+        self.walked = on or probe
+        if self.walked:
+            self.walked_steps += 1
+        return self.walked
 
     def go_dormant(self) -> None:
         self.regime = "dormant"
@@ -174,6 +214,8 @@ class DraftCost:
                 else round(self.gain_per_row, 3),
                 "cost_per_row_us": None if self.cost_per_row_ns is None
                 else round(self.cost_per_row_ns / 1e3, 1),
+                "row_fill_us": None if self.row_fill_ns is None
+                else round(self.row_fill_ns / 1e3, 1),
                 "step_ms": None if self.step_ns is None
                 else round(self.step_ns / 1e6, 2)}
 

@@ -220,6 +220,8 @@ class Tracker:
     # Whether the forced continuation drafts ahead of the model's drafts
     # (draft_cost.ForcedAheadChoice), and this step's mode.
     forced_choice: Any = None
+    # A one-row bitmask to time a verification row's fill (cost model).
+    fill_scratch: Any = None
     forced_mode: str = "draft"
     # Masked-argmax tokens of the previous position still on the device
     # (shadows, tensor): read with this position's candidates, so a
@@ -470,7 +472,7 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     last_walk, t.last_walk = t.last_walk, {}
     if last_walk and t.forced_choice is not None:
         t.forced_choice.tick()
-    batch_tokens = gain = 0
+    batch_tokens = gain = extra_rows = 0
     for i, req_id in enumerate(req_ids):
         tokens = [int(x) for x in sampled[i] if int(x) >= 0] \
             if i < len(sampled) else []
@@ -507,9 +509,11 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
             # Accepted drafts (the last token is the target's own) after
             # the first changed position: stock would have rejected there.
             accepted = max(0, len(tokens) - 1)
+            walk = last_walk.get(req_id)
             if req_id in changed:
                 gain += max(0, accepted - changed[req_id])
-            walk = last_walk.get(req_id)
+                if walk is not None:
+                    extra_rows += max(0, walk[2] - changed[req_id])
             if walk is not None:
                 forced, drafted, drafts = walk
                 if drafted:
@@ -524,7 +528,7 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         elif tokens:
             shadow.tail = (shadow.tail + tokens)[-CONTEXT_TOKENS:]
     t.stats["gain_tokens"] += gain
-    t.cost.observe(batch_tokens, gain)
+    t.cost.observe(batch_tokens, gain, extra_rows)
     t.cost.charge(t0)
 
 
@@ -612,9 +616,12 @@ def end(drafter: Any) -> None:
     if t is None or t.rows is None:
         return
     t0 = time.thread_time_ns()
+    sample = t.cost.wants_fill_sample()
     for req_id, shadow in t.rows.values():
         if shadow.walked:
             _rollback(shadow, shadow.walked)
+        if sample:
+            sample = not _time_row_fill(t, shadow)
         shadow.walked = 0
         if shadow.changed_at is not None:
             t.changed[req_id] = shadow.changed_at
@@ -627,6 +634,23 @@ def end(drafter: Any) -> None:
     t.pending = None
     t.batch_req_ids = []
     t.cost.charge(t0)
+
+
+def _time_row_fill(t: Tracker, shadow: Shadow) -> bool:
+    """The price of one verification row: the scheduler fills a row per
+    scheduled position with the same grammar, vocabulary and vLLM call
+    (the shadow is at the committed state). False: not measurable here."""
+    try:
+        if t.fill_scratch is None:
+            t.fill_scratch = t.manager.backend.allocate_token_bitmask(1)
+        t0 = time.thread_time_ns()
+        shadow.grammar.fill_bitmask(t.fill_scratch, 0)
+        t.cost.fill_sample(float(time.thread_time_ns() - t0))
+        return True
+    except Exception:  # noqa: BLE001 - a price estimate, never a failure
+        logger.debug("vllm_patch: verification row fill not timed",
+                     exc_info=True)
+        return False
 
 
 def take_limits(drafter: Any) -> dict[str, int]:
