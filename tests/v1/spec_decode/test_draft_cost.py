@@ -70,13 +70,13 @@ def test_off_then_dormant_then_rearmed(monkeypatch):
     assert on[0]  # measured first
     on += _steps(cost, clock, dc.DORMANT_AFTER + 5, step_ms=10, tokens=512,
                  rows=1, host_us_per_row=5, gain_per_row=0.0)
-    # Off from the second step: only the probes walk (every PROBE_EVERY-th
+    # Off from the second step: only the probes walk (every OFF_PROBE_EVERY-th
     # step in a row that is off), then dormant.
     first_off = on.index(False)
     walked_off = [i - first_off + 1 for i, x in enumerate(on)
                   if x and i > first_off]
     assert first_off <= 2 and walked_off and \
-        all(n % dc.PROBE_EVERY == 0 for n in walked_off)
+        all(n % dc.OFF_PROBE_EVERY == 0 for n in walked_off)
     assert cost.counts["steps_probed"] == len(walked_off)
     assert cost.regime == "dormant"
     assert cost.counts["dormant_periods"] == 1
@@ -113,11 +113,15 @@ def test_probe_brings_it_back(monkeypatch):
     measures it and the batch walks again before going dormant."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=30e3)
-    on = _steps(cost, clock, 40, step_ms=20, tokens=16, rows=8,
-                host_us_per_row=50, gain_per_row=0.0)
-    assert cost.regime == "off" and not on[-1]
-    on = _steps(cost, clock, 12, step_ms=20, tokens=16, rows=8,
-                host_us_per_row=50, gain_per_row=3.0)
+    for _ in range(100):  # the averaged gain decays from the prior
+        if not _steps(cost, clock, 1, step_ms=20, tokens=16, rows=8,
+                      host_us_per_row=50, gain_per_row=0.0)[0]:
+            break
+    _steps(cost, clock, 1, step_ms=20, tokens=16, rows=8,
+           host_us_per_row=50, gain_per_row=0.0)
+    assert cost.regime == "off" and cost.off_run == 2
+    on = _steps(cost, clock, dc.DORMANT_AFTER - 3, step_ms=20, tokens=16,
+                rows=8, host_us_per_row=50, gain_per_row=3.0)
     assert cost.regime == "on" and on[-1] and cost.counts["dormant_periods"] == 0
 
 

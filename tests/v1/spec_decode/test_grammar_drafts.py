@@ -332,10 +332,10 @@ def test_cost_model_keeps_stock_where_it_cannot_win(monkeypatch):
     for _ in range(dc.DORMANT_AFTER):
         _draft(h, drafter, rids, requests, bad)
     assert t.cost.regime == "dormant" and not t.shadows
-    # While off, only the probes walked (one step in PROBE_EVERY).
+    # While off, only the probes walked (one step in OFF_PROBE_EVERY).
     probed = t.cost.counts["steps_probed"]
-    assert probed == dc.DORMANT_AFTER // dc.PROBE_EVERY - 1 + \
-        (dc.DORMANT_AFTER % dc.PROBE_EVERY != 0), t.cost.counts
+    assert probed == dc.DORMANT_AFTER // dc.OFF_PROBE_EVERY - 1 + \
+        (dc.DORMANT_AFTER % dc.OFF_PROBE_EVERY != 0), t.cost.counts
     assert gd.stats(drafter)["positions"] == probed * K * 2  # 2 structured
     assert not gd.wants_tokens(drafter)
     syncs = gd.stats(drafter)["d2h_syncs"]

@@ -31,7 +31,7 @@ Decision (every step, before drafting): walk the grammar iff
 i.e. the relative gain in tokens per step beats the relative growth of the
 step time (tokens per step and step time are the batch's, measured between
 consecutive steps). Off for a step: the drafts are stock's, the shadows are
-still advanced; every `PROBE_EVERY`th step in a row that is off walks all
+still advanced; every `OFF_PROBE_EVERY`th step in a row that is off walks all
 the same (a probe: it measures the gain again, so that a batch whose first
 steps gained nothing, e.g. right after its prefills, comes back on where
 the walk pays). Off for `DORMANT_AFTER` steps in a row: the feature goes
@@ -54,9 +54,9 @@ logger = logging.getLogger(__name__)
 # Before anything is measured the feature runs (gain assumed, then measured).
 PRIOR_GAIN_PER_ROW = 1.0
 EMA = 0.1
-DORMANT_AFTER = 32
+DORMANT_AFTER = 8
 # While off: every this many steps in a row a probe step walks.
-PROBE_EVERY = 8
+OFF_PROBE_EVERY = 4
 # A shadow's row fill (the price of a verification row) is timed every
 # this many walking steps.
 FILL_SAMPLE_EVERY = 16
@@ -172,7 +172,7 @@ class DraftCost:
         gain, cost = self.expected(rows, positions)
         on = gain > cost
         probe = not on and self.regime == "off" \
-            and (self.off_run + 1) % PROBE_EVERY == 0
+            and (self.off_run + 1) % OFF_PROBE_EVERY == 0
         if on:
             self.off_run = 0
             self.counts["steps_on"] += 1
