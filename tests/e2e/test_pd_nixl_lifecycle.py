@@ -29,6 +29,7 @@ here (measured, both policies): a control that keeps it so.
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -77,6 +78,16 @@ def prefill(pd, i: int) -> tuple[str, dict, dict]:
 def unreachable(params: dict, port: int) -> dict:
     return dict(params, remote_engine_id=f"unreachable-{uuid.uuid4().hex[:8]}",
                 remote_port=port)
+
+
+def server_story(pd, role: str = "decode", n: int = 400) -> str:
+    """The instance's recent log lines that tell what happened to requests
+    (errors, warnings, HTTP lines; traceback frames left out): shown when an
+    assertion about timing fails, so the cause is in the CI output."""
+    keep = [ln for ln in pd.server(role).log_tail(n).splitlines()
+            if ("HTTP/1.1" in ln and "/metrics" not in ln)
+            or (("ERROR" in ln or "WARNING" in ln) and re.search(r"\] \S", ln))]
+    return "\n".join(keep[-40:])
 
 
 def finish_and_check_idle(pd, path: str, body: dict, real: dict) -> None:
@@ -136,7 +147,9 @@ def test_abort_while_transfer_pending(pd, patched):
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         time.sleep(HANDSHAKE_TIMEOUT_S / 3)
-        assert not any(line.startswith(b"data: {") for line in got), got
+        assert not any(line.startswith(b"data: {") for line in got), (
+            f"the request ended before the transfer could have timed out: {got}\n"
+            f"decode log:\n{server_story(pd)}")
         resp.close()  # the client goes away while the transfer is pending
         reader.join(10)
         time.sleep(HANDSHAKE_TIMEOUT_S)  # the load then fails for the aborted request
