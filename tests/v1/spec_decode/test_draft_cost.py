@@ -107,6 +107,37 @@ def test_first_steps_without_gain_do_not_turn_it_off(monkeypatch):
     assert all(on) and cost.regime == "on"
 
 
+def test_a_one_off_first_step_does_not_turn_it_off(monkeypatch):
+    """One batch row where the walk pays (+1 token per row and step, 2 per
+    step, 50 us of host time in a 20 ms step), but the first walking step
+    pays a one-off 100 ms (warm-up: a first call's allocations, a cache
+    fill): one sample among several, it never decides alone. (An average
+    seeded by it judged the walk to cost 5 steps' time: off, then dormant
+    for the rest of the requests' lives.)"""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    on = _steps(cost, clock, 1, step_ms=20, tokens=2, rows=1,
+                host_us_per_row=100_000, gain_per_row=1.0)
+    on += _steps(cost, clock, 40, step_ms=20, tokens=3, rows=1,
+                 host_us_per_row=50, gain_per_row=1.0)
+    assert all(on) and cost.regime == "on"
+    assert cost.counts["dormant_periods"] == 0
+
+
+def test_gain_measured_within_a_few_steps(monkeypatch):
+    """B=256 rows, 2 tokens per row and step; the walk gains 0.2 tokens per
+    row (+10 %) and costs 30 % of the step (300 us per row host time in a
+    256 ms step): it must stop within a few steps, not after the many an
+    average decaying from the prior of 1 token per row needs."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    on = _steps(cost, clock, dc.OFF_PROBE_EVERY + 2, step_ms=256, tokens=512,
+                rows=256, host_us_per_row=300, gain_per_row=0.2)
+    # The first two walking steps measure; then off (a probe at most).
+    assert on[:2] == [True, True] and not any(on[2:2 + dc.OFF_PROBE_EVERY - 1])
+    assert cost.regime in ("off", "dormant")
+
+
 def test_probe_brings_it_back(monkeypatch):
     """Off after a long stretch without gain; the requests then reach text
     the drafter gets wrong (the walk gains 3 tokens per row): a probe

@@ -26,6 +26,16 @@ Both sides are measured on the running worker, per step of its drafter:
   vocabulary). Only walking steps' costs are averaged (a step that does not
   walk costs the shadows' advance only: not what walking costs).
 
+Estimates are robust to one-off work: the cost per row is the low median
+of the last `COST_WINDOW` walking steps (a step that pays a one-off, a
+first-step warm-up, a collection pause, a cache fill, is one sample among
+several and never decides alone; the first two walking steps always run,
+so there are two samples before a decision), the row fill the low median
+of its last samples; the gain per row is the mean of the last
+`GAIN_WINDOW` walking steps, the prior counting as one step until the
+window is full (it follows a batch's real gain within a few steps,
+instead of the many an average decaying from the prior needs).
+
 Decision (every step, before drafting): walk the grammar iff
     rows * gain_per_row / tokens_per_step  >  cost_this_step / step_time
 i.e. the relative gain in tokens per step beats the relative growth of the
@@ -46,7 +56,9 @@ in one log line per change of regime.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -54,6 +66,8 @@ logger = logging.getLogger(__name__)
 # Before anything is measured the feature runs (gain assumed, then measured).
 PRIOR_GAIN_PER_ROW = 1.0
 EMA = 0.1
+# Walking steps the estimates look back on (see the module docstring).
+COST_WINDOW, GAIN_WINDOW, FILL_WINDOW = 5, 16, 3
 DORMANT_AFTER = 8
 # While off: every this many steps in a row a probe step walks.
 OFF_PROBE_EVERY = 4
@@ -82,6 +96,9 @@ class DraftCost:
     # One verification row's fill (a shadow's, timed now and then).
     row_fill_ns: float | None = None
     walked_steps: int = 0
+    cost_samples: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    gain_samples: deque = field(default_factory=lambda: deque(maxlen=GAIN_WINDOW))
+    fill_samples: deque = field(default_factory=lambda: deque(maxlen=FILL_WINDOW))
     # This step's accounting (since the last observe).
     host_ns: int = 0
     syncs: int = 0
@@ -105,7 +122,8 @@ class DraftCost:
         return self.walked and self.walked_steps % FILL_SAMPLE_EVERY == 1
 
     def fill_sample(self, ns: float) -> None:
-        self.row_fill_ns = _ema(self.row_fill_ns, ns)
+        self.fill_samples.append(float(ns))
+        self.row_fill_ns = statistics.median_low(self.fill_samples)
 
     def observe(self, batch_tokens: int, gain_tokens: int,
                 extra_rows: int = 0) -> None:
@@ -124,12 +142,15 @@ class DraftCost:
         if self.rows > 0 and self.walked:
             cost = self.host_ns + self.syncs * self.sync_ns \
                 + extra_rows * (self.row_fill_ns or 0.0)
-            self.cost_per_row_ns = _ema(self.cost_per_row_ns, cost / self.rows)
-            # From the prior, not seeded by the first step (whose gain may
-            # be nothing: the batch's first drafts).
-            self.gain_per_row = _ema(
-                PRIOR_GAIN_PER_ROW if self.gain_per_row is None
-                else self.gain_per_row, gain_tokens / self.rows)
+            self.cost_samples.append(cost / self.rows)
+            self.cost_per_row_ns = statistics.median_low(self.cost_samples)
+            # The prior is one step's worth until the window is full: not
+            # seeded by the first step (whose gain may be nothing: the
+            # batch's first drafts), not outweighing what is measured.
+            self.gain_samples.append(gain_tokens / self.rows)
+            prior = [] if len(self.gain_samples) == GAIN_WINDOW \
+                else [PRIOR_GAIN_PER_ROW]
+            self.gain_per_row = statistics.fmean([*prior, *self.gain_samples])
         self.host_ns = self.syncs = self.rows = 0
         self.walked = False
 
@@ -153,8 +174,8 @@ class DraftCost:
     def expected(self, rows: int, positions: int) -> tuple[float, float]:
         """(relative gain in tokens per step, relative cost in step time)."""
         if self.step_ns is None or self.tokens_per_step is None \
-                or self.cost_per_row_ns is None:
-            return 1.0, 0.0  # nothing measured yet: run, and measure
+                or len(self.cost_samples) < 2:
+            return 1.0, 0.0  # not measured twice yet: run, and measure
         per_row = PRIOR_GAIN_PER_ROW if self.gain_per_row is None \
             else self.gain_per_row
         gain = rows * per_row / max(self.tokens_per_step, 1.0)
