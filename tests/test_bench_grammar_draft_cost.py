@@ -55,3 +55,12 @@ def test_quick_run(tmp_path):
             per = cell["projection"][gpu]
             assert set(per) >= {"perfect", "eagle", "draft"}
             assert per["eagle"]["stock"] == 1.0
+        # Verification work is counted in bitmask rows as well as timed: the
+        # off lane drafts as stock does, so it fills the same rows, and the
+        # projection (rows priced at stock's rate) puts it at stock's rate
+        # but for its hooks' own time; the raw timings are kept apart.
+        off = cell["modes"]["off"]
+        assert off["verify_rows"] == stock["verify_rows"] > 0
+        assert always["verify_rows"] >= stock["verify_rows"]
+        assert 0.97 <= cell["projection"]["20ms"]["eagle"]["off"] <= 1.0
+        assert set(cell["projection"]["measured_20ms"]) >= {"eagle", "sim"}
