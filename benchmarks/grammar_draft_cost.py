@@ -576,6 +576,10 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
                 lane.tracker.cost.sync_ns = envs.settings().draft_sync_us * 1e3
         lanes[mode] = lane
     per: dict[str, dict[str, list[float]]] = {m: {} for m in modes}
+    # Every step's, warm-up included: what a batch pays from its start (the
+    # cost model's first measuring steps, the shadows' advance until it goes
+    # dormant), to be amortized over the dormant period that follows.
+    totals = {m: {"draft_cpu_ms": 0.0, "verify_rows": 0.0} for m in modes}
     last_cpu = {m: 0.0 for m in modes}
     compile_ms = {m: 0.0 for m in modes}
     order = list(modes)
@@ -640,6 +644,8 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
             grammar = row["verify_ms"] + row.get("draft_cpu_ms", 0.0)
             last_cpu[mode] = grammar
             row["grammar_cpu_ms"] = grammar
+            totals[mode]["draft_cpu_ms"] += row.get("draft_cpu_ms", 0.0)
+            totals[mode]["verify_rows"] += row["verify_rows"]
             if timed:
                 for key, v in row.items():
                     if isinstance(v, (int, float)):
@@ -651,6 +657,7 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
         med = {key: statistics.median(v) for key, v in per[mode].items()}
         t = lanes[mode].tracker
         med["shadow_compile_ms_total"] = compile_ms[mode]
+        med["all_steps"] = {"steps": steps, **totals[mode]}
         med["shadows"] = t.stats["shadows"] if t is not None else 0
         if "on" in per[mode] and t is not None:
             med["on_share"] = statistics.fmean(per[mode]["on"])
