@@ -117,8 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backends", default="xgrammar,guidance")
     ap.add_argument("--batch", default="1,8,32,128,256", help="batch sizes B")
     ap.add_argument("--k", default="1,4,7", help="draft tokens per step")
-    ap.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")
-    ap.add_argument("--warmup", type=int, default=12, help="warm-up steps (default 12)")
+    ap.add_argument("--reps", type=int, default=7, help="timed repetitions (default 7)")
+    ap.add_argument("--warmup", type=int, default=24,
+                    help="warm-up steps (default 24: at large batches the cost model settles, or goes dormant, within about 15)")
     ap.add_argument("--schemas", type=int, default=64,
                     help="MaskBench schemas with a valid instance (default 64)")
     ap.add_argument("--min-tokens", type=int, default=48,
