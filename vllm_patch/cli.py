@@ -151,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
 
     command.add_parser(sub)
     demo.add_parser(sub)
+    from vllm_patch import series
+
+    series.add_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

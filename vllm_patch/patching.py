@@ -97,6 +97,7 @@ class PatchError(RuntimeError):
 class State(str, enum.Enum):
     APPLIED = "applied"
     NOT_APPLICABLE = "not needed on this version"
+    NATIVE = "native (patched build)"
     DISABLED = "disabled (VLLM_PATCH_DISABLE=1)"
     SKIPPED_BY_USER = "skipped (VLLM_PATCH_SKIP)"
     OFF = "off (opt-in patch not enabled)"
@@ -484,6 +485,10 @@ def _verify(patch: Patch) -> Outcome | _Verified:
                        f"{version}; known series: {', '.join(KNOWN_SERIES)}")
     if series not in patch.versions:
         return Outcome(patch, State.NOT_APPLICABLE, f"vLLM {series}")
+    native = _native_ids()
+    if patch.name in native:
+        # This vLLM build carries the fix itself (the patch series).
+        return Outcome(patch, State.NATIVE, native[patch.name])
     try:
         owner, attr, original, own = _resolve(patch)
     except LookupError as exc:
@@ -508,6 +513,17 @@ def _verify(patch: Patch) -> Outcome | _Verified:
     if blocking:
         return Outcome(patch, State.SOURCE_DRIFT, "; ".join(blocking))
     return _Verified(owner, attr, original, own, "; ".join(tolerated))
+
+
+_NATIVE: list[dict[str, str]] = []
+
+
+def _native_ids() -> dict[str, str]:
+    """Plugin patch ids the installed vLLM build carries (read once)."""
+    if not _NATIVE:
+        from vllm_patch.series import native_patch_ids
+        _NATIVE.append(native_patch_ids())
+    return _NATIVE[0]
 
 
 def _install(patch: Patch, v: _Verified) -> Outcome:
@@ -685,7 +701,7 @@ def impl_summary(gid: str) -> str:
     return "; ".join(
         f"{o.patch.without} ({o.patch.name} is not applied)"
         for o in outcomes if not o.patch.required
-        and o.state not in (State.APPLIED, State.NOT_APPLICABLE))
+        and o.state not in (State.APPLIED, State.NOT_APPLICABLE, State.NATIVE))
 
 
 def switched_off(gid: str, settings: envs.Settings) -> str:
@@ -717,7 +733,8 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
             REGISTRY.outcomes.get(p.name, Outcome(p, State.NOT_REGISTERED))
             for p in patches
         ]
-        needed = [o for o in outcomes if o.state is not State.NOT_APPLICABLE]
+        needed = [o for o in outcomes
+                  if o.state not in (State.NOT_APPLICABLE, State.NATIVE)]
         failures = _failures(gid)
         partial: list[str] = []
         if failures:
@@ -725,6 +742,9 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
         elif not patches:
             status = "not enforced"
             reason = "no patch for this guarantee in this vllm_patch version"
+        elif not needed and any(o.state is State.NATIVE for o in outcomes):
+            status = "native (patched build)"
+            reason = "this vLLM build carries it (patch series)"
         elif not needed:
             status = "native"
             reason = "every patch for it is unneeded on this vLLM version"
