@@ -1,0 +1,33 @@
+"""Multi-node tier: the real launcher across three network namespaces
+(tests/multinode/netns.py). Root only; marker `multinode`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/multinode/" in str(item.fspath).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.multinode)
+
+
+@pytest.fixture
+def cluster():
+    if os.geteuid() != 0:
+        pytest.skip("the multi-node tier builds network namespaces: it needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("the multi-node tier needs iproute2's `ip`")
+    from .netns import Cluster
+
+    c = Cluster()
+    try:
+        c.build_network()
+        c.start_ray()
+        yield c
+    finally:
+        c.teardown()
+        assert c.leftovers() == []

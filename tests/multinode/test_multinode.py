@@ -1,0 +1,213 @@
+"""`vllm-patch launch` across three network namespaces: Ray head and router
+on node A (198.18.0.11), prefill on B, decode on C by custom resources,
+ExampleConnector over a folder every node sees. The official `openai`
+client sends concurrent streaming and non-streaming structured requests
+(JSON schema, regex, choice) to A's address; the decode node's link goes
+down for 20 s under load; SIGINT to the launcher then stops every server on
+every node and leaves the cluster (given with --address) running."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vllm_patch.launch.router import parse_metrics
+from vllm_patch.testing import workload as wl
+
+ROUTER_PORT = 8000
+REQUEST_BOUND_S = 240
+
+
+def _launch(c, connector_args: list[str]):
+    from vllm_patch.testing import tiny_model
+    from vllm_patch.testing.pd_pair import tiny_vllm_args
+
+    model = str(tiny_model.build_target())
+    ready = c.root / "ready.json"
+    a = c.nodes["A"]
+    p = c.spawn("A", ["vllm-patch", "launch", "--address", c.address, "--model", model,
+                      "--served-model-name", "tiny", *connector_args,
+                      "--prefill-resource", "prefill", "--decode-resource", "decode",
+                      "--host", a.ip, "--port", str(ROUTER_PORT), "--max-restarts", "2",
+                      "--start-timeout", "400", "--ready-file", str(ready),
+                      "--", *tiny_vllm_args(model, spec_k=3)], "launch.log")
+    deadline = time.monotonic() + 480
+    while not ready.exists():
+        assert p.poll() is None, (c.root / "launch.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, (c.root / "launch.log").read_text()[-3000:]
+        time.sleep(2)
+    time.sleep(0.5)
+    return p, json.loads(ready.read_text())
+
+
+def _client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=REQUEST_BOUND_S,
+                         max_retries=0)
+
+
+def _send(client, r: dict) -> dict:
+    """One workload request through the openai client: its text and finish
+    reason, or the clean error it ended with."""
+    import openai
+
+    path, body = wl.make_body(r)
+    extra = {k: body[k] for k in ("structured_outputs", "ignore_eos") if k in body}
+    kw = dict(model="tiny", max_tokens=body["max_tokens"], temperature=0,
+              stream=body["stream"], extra_body=extra)
+    t0 = time.monotonic()
+    try:
+        if r["chat"]:
+            if "response_format" in body:
+                kw["response_format"] = body["response_format"]
+            out = client.chat.completions.create(messages=body["messages"], **kw)
+        else:
+            out = client.completions.create(prompt=body["prompt"], **kw)
+        text, finish = "", None
+        if body["stream"]:
+            for ev in out:
+                for ch in ev.choices:
+                    text += (ch.delta.content if r["chat"] else ch.text) or ""
+                    finish = ch.finish_reason or finish
+        else:
+            ch = out.choices[0]
+            text, finish = (ch.message.content if r["chat"] else ch.text) or "", ch.finish_reason
+        return dict(text=text, finish=finish, error=None, s=time.monotonic() - t0)
+    except openai.APIError as e:
+        return dict(text="", finish=None, error=f"{type(e).__name__}: {str(e)[:200]}",
+                    s=time.monotonic() - t0)
+
+
+def _requests(n: int, offset: int = 0) -> list[dict]:
+    reqs = [r for r in wl.build_requests() if not r["ignore_eos"]]
+    return [dict(reqs[(offset + j) % len(reqs)], i=1000 + offset + j) for j in range(n)]
+
+
+def _batch(client, reqs, during=None) -> list[dict]:
+    with cf.ThreadPoolExecutor(8) as ex:
+        futs = [ex.submit(_send, client, r) for r in reqs]
+        if during:
+            during()
+        return [f.result(timeout=REQUEST_BOUND_S + 30) for f in futs]
+
+
+def _check_stop_valid(reqs, outs) -> None:
+    bad = [(r, o) for r, o in zip(reqs, outs)
+           if o["finish"] == "stop" and not wl.valid(r["kind"], o["text"])]
+    assert bad == [], bad
+
+
+def _idle(instances, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = {}
+        for inst in instances:
+            with urllib.request.urlopen(inst["url"] + "/metrics", timeout=10) as r:
+                m = parse_metrics(r.read().decode())
+            state[inst["name"]] = {k: m.get(k) for k in (
+                "vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+                "vllm:num_requests_waiting")}
+        if all(v == 0 for s in state.values() for v in s.values()) \
+                or time.monotonic() > deadline:
+            return state
+        time.sleep(1)
+
+
+def _health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def _servers_on(c, node: str) -> list[int]:
+    out = []
+    for pid in c.nodes[node].pids():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"vllm.entrypoints" in cmd or b"EngineCore" in cmd or b"VLLM" in cmd:
+            out.append(pid)
+    return out
+
+
+@pytest.mark.patched_only
+@pytest.mark.timeout(1500)
+def test_example_connector_across_namespaces(cluster):
+    c = cluster
+    kv = c.root / "kv"
+    launcher, ready = _launch(c, ["--connector", "ExampleConnector",
+                                  "--kv-connector-extra-config",
+                                  json.dumps({"shared_storage_path": str(kv)})])
+    url = ready["url"]
+    assert url == f"http://{c.nodes['A'].ip}:{ROUTER_PORT}", url
+    by_name = {i["name"]: i for i in ready["instances"]}
+    assert by_name["prefill-0"]["url"].startswith(f"http://{c.nodes['B'].ip}:")
+    assert by_name["decode-0"]["url"].startswith(f"http://{c.nodes['C'].ip}:")
+    client = _client(url)
+    report = {}
+
+    # 1. traffic: concurrent, streaming and not, schemas / regex / choice
+    reqs = _requests(12)
+    outs = _batch(client, reqs)
+    assert [o["error"] for o in outs] == [None] * 12, outs
+    _check_stop_valid(reqs, outs)
+    report["baseline"] = {"ok": 12, "stop": sum(o["finish"] == "stop" for o in outs)}
+    assert wl.is_idle(_idle(ready["instances"]))
+
+    # 2. the decode node's link down 20 s under load, then up
+    def partition():
+        time.sleep(3)
+        c.nodes["C"].link(False)
+        t = time.monotonic()
+        seen = set()
+        while time.monotonic() - t < 20:
+            seen.add(_health(url))
+            time.sleep(2)
+        c.nodes["C"].link(True)
+        report["router_health_during_partition"] = sorted(seen)
+
+    reqs = _requests(8, offset=12)
+    t0 = time.monotonic()
+    outs = _batch(client, reqs, during=partition)
+    report["partition"] = {"wall_s": round(time.monotonic() - t0, 1),
+                           "ok": sum(o["error"] is None for o in outs),
+                           "errors": sorted({o["error"] for o in outs if o["error"]}),
+                           "max_s": round(max(o["s"] for o in outs), 1)}
+    assert all(o["s"] < REQUEST_BOUND_S for o in outs), outs
+    _check_stop_valid(reqs, outs)
+    assert launcher.poll() is None, (c.root / "launch.log").read_text()[-3000:]
+    deadline = time.monotonic() + 120
+    while _health(url) != 200:
+        assert time.monotonic() < deadline, "router /health not 200 after the partition"
+        time.sleep(2)
+    reqs = _requests(6, offset=20)
+    outs = _batch(client, reqs)
+    assert [o["error"] for o in outs] == [None] * 6, outs
+    _check_stop_valid(reqs, outs)
+    idle = _idle(ready["instances"])
+    report["after_partition"] = {"ok": 6, "idle": idle}
+    assert wl.is_idle(idle), idle
+
+    # 3. clean stop: SIGINT to the launcher
+    launcher.send_signal(signal.SIGINT)
+    code = launcher.wait(timeout=180)
+    report["stop"] = {"exit": code}
+    print("\nMULTINODE " + json.dumps(report))
+    assert code == 0, (c.root / "launch.log").read_text()[-3000:]
+    for n in "ABC":
+        assert _servers_on(c, n) == [], n
+    assert list((c.root / "tmp").glob("vllm-patch-launch-*")) == []
+    assert not kv.exists() or list(kv.iterdir()) == []
+    assert len([n for n in c.ray_nodes() if n["alive"]]) == 3  # the cluster stays
