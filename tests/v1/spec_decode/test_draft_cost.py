@@ -23,21 +23,22 @@ class Clock:
 
 def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
            tokens: int, rows: int, host_us_per_row: float,
-           gain_per_row: float, extra_rows_per_row: float = 0.0) -> list[bool]:
-    """n steps of a batch: decide, spend host time, then observe
-    (`extra_rows_per_row`: verification rows the walk adds per row)."""
+           gain_per_row: float, extra_rows_per_row: float = 0.0) -> list[int]:
+    """n steps of a batch: decide, spend host time on the rows that walk,
+    then observe (`extra_rows_per_row`: verification rows the walk adds per
+    walked row). Returns the rows walked per step (0: none)."""
     out = []
     for _ in range(n):
         if cost.dormant():
-            out.append(False)
+            out.append(0)
             clock.now += int(step_ms * 1e6)
             continue
-        on = cost.decide(rows, 4)
-        out.append(on)
-        cost.host_ns += int(rows * host_us_per_row * 1e3)
+        walked = cost.decide(rows, 4)
+        out.append(walked)
+        cost.host_ns += int(walked * host_us_per_row * 1e3)
         clock.now += int(step_ms * 1e6)
-        cost.observe(tokens, int(round(rows * gain_per_row)) if on else 0,
-                     int(round(rows * extra_rows_per_row)) if on else 0)
+        cost.observe(tokens, int(round(walked * gain_per_row)),
+                     int(round(walked * extra_rows_per_row)))
     return out
 
 
@@ -134,7 +135,7 @@ def test_gain_measured_within_a_few_steps(monkeypatch):
     on = _steps(cost, clock, dc.OFF_PROBE_EVERY + 2, step_ms=256, tokens=512,
                 rows=256, host_us_per_row=300, gain_per_row=0.2)
     # The first two walking steps measure; then off (a probe at most).
-    assert on[:2] == [True, True] and not any(on[2:2 + dc.OFF_PROBE_EVERY - 1])
+    assert all(on[:2]) and not any(on[2:2 + dc.OFF_PROBE_EVERY - 1])
     assert cost.regime in ("off", "dormant")
 
 
@@ -181,6 +182,59 @@ def test_row_fill_sampled_on_walking_steps():
         sampled.append(cost.wants_fill_sample())
         cost.observe(8, 4)
     assert sampled.count(True) == len(range(1, 41, dc.FILL_SAMPLE_EVERY))
+
+
+def test_a_large_batch_measures_and_probes_on_a_sample(monkeypatch):
+    """B=256 where the walk does not pay (0.2 tokens per row, +10 %, for
+    300 us of host time per row in a 256 ms step, +30 %): the measuring
+    steps and the probes walk SAMPLE_ROWS rows, a window that moves over
+    the batch; no step walks every row before it goes dormant."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    walked = _steps(cost, clock, dc.DORMANT_AFTER + 4, step_ms=256,
+                    tokens=512, rows=256, host_us_per_row=300,
+                    gain_per_row=0.2)
+    assert cost.regime == "dormant"
+    assert walked[:2] == [dc.SAMPLE_ROWS] * 2
+    assert max(walked) == dc.SAMPLE_ROWS and walked.count(dc.SAMPLE_ROWS) >= 3
+    assert cost.counts["steps_sampled"] == walked.count(dc.SAMPLE_ROWS)
+    rows = list(range(256))
+    first, second = cost.sample(rows, 16), cost.sample(rows, 16)
+    assert len(first) == len(second) == 16 and not set(first) & set(second)
+    # A small batch walks whole (a sample of it would be all of it anyway).
+    small = dc.DraftCost(enabled=True, sync_ns=0.0)
+    assert small.decide(8, 4) == 8 and small.sample(list(range(8)), 8) == \
+        list(range(8))
+
+
+def test_a_sample_that_pays_turns_the_whole_batch_on(monkeypatch):
+    """B=64 where the walk pays (+1 token per row and step on 2, 10 us per
+    row in a 20 ms step): measured on a sample, then every row walks."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    walked = _steps(cost, clock, 10, step_ms=20, tokens=128, rows=64,
+                    host_us_per_row=10, gain_per_row=1.0)
+    assert walked[:2] == [dc.SAMPLE_ROWS] * 2 and walked[2:] == [64] * 8
+    assert cost.regime == "on"
+
+
+def test_upkeep_priced_per_shadow_walk_per_walked_row(monkeypatch):
+    """A sampled step: 16 rows walk for 1.6 ms, the upkeep of 256 shadows
+    costs 2.56 ms; per row: 100 us walking + 10 us upkeep (not 260 us: the
+    upkeep of the whole batch charged to the sample)."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    cost.observe(512, 0)
+    assert cost.decide(256, 4) == dc.SAMPLE_ROWS
+    cost.host_ns += 1_600_000
+    t0 = dc.time.thread_time_ns()
+    cost.charge(t0, upkeep=True)
+    cost.host_ns += 2_560_000
+    cost.upkeep_ns += 2_560_000
+    cost.upkept(256)
+    clock.now += 20 * 10**6
+    cost.observe(512, 0)
+    assert cost.cost_samples[-1] == pytest.approx(110e3, rel=0.01)
 
 
 def test_disabled_model_always_walks(monkeypatch):

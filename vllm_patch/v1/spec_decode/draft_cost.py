@@ -24,7 +24,19 @@ Both sides are measured on the running worker, per step of its drafter:
   would not fill; priced at one row fill of a shadow, measured every
   `FILL_SAMPLE_EVERY` walking steps (the same grammar, the same
   vocabulary). Only walking steps' costs are averaged (a step that does not
-  walk costs the shadows' advance only: not what walking costs).
+  walk costs the shadows' advance only: not what walking costs). The
+  shadows' upkeep (advancing every shadow by the step's tokens, reading
+  them) is priced per shadow, the walk per walked row: a step that walks
+  a sample of the rows prices the walk on the sample, not on the batch.
+
+Measuring and probing walk a sample: while the cost model has not measured
+twice (the first walking steps of a batch, and after re-arming) and on a
+probe step while off, a batch of more than `SAMPLE_ROWS` structured rows
+walks only `SAMPLE_ROWS` of them (a window that rotates over the rows from
+one such step to the next), the others draft as in stock. Gain and cost are
+measured per row, so a sample measures them as the whole batch would, at a
+fraction of the price: at B=256 a measuring step costs 1/16 of a walk of
+every row, and so does each probe of a batch where the walk does not pay.
 
 Estimates are robust to one-off work: the cost per row is the low median
 of the last `COST_WINDOW` walking steps (a step that pays a one-off, a
@@ -41,10 +53,10 @@ Decision (every step, before drafting): walk the grammar iff
 i.e. the relative gain in tokens per step beats the relative growth of the
 step time (tokens per step and step time are the batch's, measured between
 consecutive steps). Off for a step: the drafts are stock's, the shadows are
-still advanced; every `OFF_PROBE_EVERY`th step in a row that is off walks all
-the same (a probe: it measures the gain again, so that a batch whose first
-steps gained nothing, e.g. right after its prefills, comes back on where
-the walk pays). Off for `DORMANT_AFTER` steps in a row: the feature goes
+still advanced; every `OFF_PROBE_EVERY`th step in a row that is off walks a
+sample all the same (a probe: it measures the gain again, so that a batch
+whose first steps gained nothing, e.g. right after its prefills, comes back
+on where the walk pays). Off for `DORMANT_AFTER` steps in a row: the feature goes
 dormant, drops every shadow (no cost at all: the requests in flight draft as
 in stock for the rest of their life) and re-arms after a back-off (256
 steps, doubling up to 16,384 while it keeps going dormant) for the requests
@@ -71,6 +83,8 @@ COST_WINDOW, GAIN_WINDOW, FILL_WINDOW = 5, 16, 3
 DORMANT_AFTER = 8
 # While off: every this many steps in a row a probe step walks.
 OFF_PROBE_EVERY = 4
+# Rows a measuring or probing step walks at most (see the docstring).
+SAMPLE_ROWS = 16
 # A shadow's row fill (the price of a verification row) is timed every
 # this many walking steps.
 FILL_SAMPLE_EVERY = 16
@@ -101,8 +115,13 @@ class DraftCost:
     fill_samples: deque = field(default_factory=lambda: deque(maxlen=FILL_WINDOW))
     # This step's accounting (since the last observe).
     host_ns: int = 0
+    # ... of it the shadows' upkeep (advance, reads), and how many shadows.
+    upkeep_ns: int = 0
+    upkeep_shadows: int = 0
     syncs: int = 0
     rows: int = 0
+    # Where the next sample's window starts (it rotates over the rows).
+    sample_at: int = 0
     walked: bool = False
     last_step_at: int | None = None
     off_run: int = 0
@@ -110,12 +129,21 @@ class DraftCost:
     backoff: int = BACKOFF_FIRST
     counts: dict[str, int] = field(default_factory=lambda: {
         "steps_on": 0, "steps_off": 0, "steps_probed": 0,
-        "dormant_periods": 0})
+        "steps_sampled": 0, "dormant_periods": 0})
 
     # -- accounting --------------------------------------------------------
-    def charge(self, t0_ns: int) -> None:
-        """Add this thread's CPU time since `t0_ns` (time.thread_time_ns)."""
-        self.host_ns += time.thread_time_ns() - t0_ns
+    def charge(self, t0_ns: int, upkeep: bool = False) -> None:
+        """Add this thread's CPU time since `t0_ns` (time.thread_time_ns);
+        `upkeep`: the shadows' upkeep (every shadow pays it), not the walk
+        (only the walked rows)."""
+        ns = time.thread_time_ns() - t0_ns
+        self.host_ns += ns
+        if upkeep:
+            self.upkeep_ns += ns
+
+    def upkept(self, shadows: int) -> None:
+        """The shadows this step's upkeep was for."""
+        self.upkeep_shadows = max(self.upkeep_shadows, shadows)
 
     def wants_fill_sample(self) -> bool:
         """Time one shadow's row fill at this walking step?"""
@@ -140,9 +168,11 @@ class DraftCost:
         if batch_tokens > 0:
             self.tokens_per_step = _ema(self.tokens_per_step, float(batch_tokens))
         if self.rows > 0 and self.walked:
-            cost = self.host_ns + self.syncs * self.sync_ns \
+            upkeep = min(self.upkeep_ns, self.host_ns)
+            walk = self.host_ns - upkeep + self.syncs * self.sync_ns \
                 + extra_rows * (self.row_fill_ns or 0.0)
-            self.cost_samples.append(cost / self.rows)
+            shadows = max(self.upkeep_shadows, self.rows)
+            self.cost_samples.append(walk / self.rows + upkeep / shadows)
             self.cost_per_row_ns = statistics.median_low(self.cost_samples)
             # The prior is one step's worth until the window is full: not
             # seeded by the first step (whose gain may be nothing: the
@@ -152,6 +182,7 @@ class DraftCost:
                 else [PRIOR_GAIN_PER_ROW]
             self.gain_per_row = statistics.fmean([*prior, *self.gain_samples])
         self.host_ns = self.syncs = self.rows = 0
+        self.upkeep_ns = self.upkeep_shadows = 0
         self.walked = False
 
     # -- decisions ---------------------------------------------------------
@@ -183,13 +214,16 @@ class DraftCost:
             / max(self.step_ns, 1.0)
         return gain, cost
 
-    def decide(self, rows: int, positions: int) -> bool:
-        """Walk the grammar in this step's drafting?"""
-        self.rows = rows
+    def decide(self, rows: int, positions: int) -> int:
+        """How many of this step's `rows` walk the grammar: all of them, a
+        sample (`SAMPLE_ROWS` at most: measuring, probing) or none."""
         if not self.enabled:
+            self.rows = rows
             self.walked = True
             self.counts["steps_on"] += 1
-            return True
+            return rows
+        measuring = self.step_ns is None or self.tokens_per_step is None \
+            or len(self.cost_samples) < 2
         gain, cost = self.expected(rows, positions)
         on = gain > cost
         probe = not on and self.regime == "off" \
@@ -216,9 +250,23 @@ class DraftCost:
             elif probe:
                 self.counts["steps_probed"] += 1
         self.walked = on or probe
+        walk = 0
         if self.walked:
             self.walked_steps += 1
-        return self.walked
+            walk = rows if on and not measuring else min(rows, SAMPLE_ROWS)
+            if walk < rows:
+                self.counts["steps_sampled"] += 1
+        self.rows = walk
+        return walk
+
+    def sample(self, rows: list, walk: int) -> list:
+        """`walk` of `rows` (all of them, or a window that rotates over the
+        rows from one sampled step to the next)."""
+        if walk >= len(rows):
+            return rows
+        start = self.sample_at % len(rows)
+        self.sample_at = start + walk
+        return (rows[start:] + rows[:start])[:walk]
 
     def go_dormant(self) -> None:
         self.regime = "dormant"

@@ -529,7 +529,8 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
             shadow.tail = (shadow.tail + tokens)[-CONTEXT_TOKENS:]
     t.stats["gain_tokens"] += gain
     t.cost.observe(batch_tokens, gain, extra_rows)
-    t.cost.charge(t0)
+    t.cost.charge(t0, upkeep=True)
+    t.cost.upkept(len(t.shadows))
 
 
 def _accepts(grammar: Any, req_id: str, tokens: list[int]) -> bool:
@@ -566,8 +567,11 @@ def begin(drafter: Any, batch_size: int) -> None:
                 else:
                     t.limits[req_id] = 0
     k = t.k = int(getattr(drafter, "num_speculative_tokens", 1) or 1)
-    if rows and not t.cost.decide(len(rows), k):
-        rows = {}
+    walk = t.cost.decide(len(rows), k) if rows else 0
+    if walk < len(rows):
+        # A sample walks (measuring, probing); the other rows draft as in
+        # stock this step (no limits: their drafts are the drafter's).
+        rows = dict(t.cost.sample(sorted(rows.items()), walk))
         if t.cost.regime == "dormant":
             t.lost |= set(t.shadows)
             t.shadows.clear()
@@ -1080,6 +1084,8 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
                 "outlines, off with lm-format-enforcer; off with a "
                 "reasoning parser")
         rows.append({"feature": feature, "status": status, "reason": why})
+    from vllm_patch.v1.spec_decode import draft_cost as dc
+
     any_on = any(r["status"] == "on" for r in rows)
     if not any_on:
         status, why = "off", "grammar-aware drafting is off"
@@ -1089,8 +1095,11 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
             "measured gain in accepted drafts exceeds the measured cost in "
             "step time (host CPU time of the feature + "
             f"{settings.draft_sync_us:g} us per device synchronisation on a "
-            "GPU); off for 32 steps in a row: dormant (no cost) and re-armed "
-            "for new requests after 256-16384 steps; the live regime is in "
+            f"GPU); a batch of more than {dc.SAMPLE_ROWS} structured "
+            "requests is measured and probed on a sample of them; off for "
+            f"{dc.DORMANT_AFTER} steps in a row: dormant (no cost) and "
+            f"re-armed for new requests after {dc.BACKOFF_FIRST}-"
+            f"{dc.BACKOFF_MAX} steps; the live regime is in "
             "the worker's log and grammar_draft_stats")
     else:
         status, why = "off", ("VLLM_PATCH_DRAFT_COST_MODEL=0: every batch "

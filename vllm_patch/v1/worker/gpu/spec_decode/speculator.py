@@ -155,7 +155,7 @@ def after_sampled(runner: Any, idx_mapping: Any, sampled_tokens: Any,
     flat = gd._to_host(t, torch.cat([
         idx_mapping[:n].reshape(-1).long(), num_sampled[:n].reshape(-1).long(),
         sampled_tokens[:n].reshape(-1).long()]))
-    t.cost.charge(t0)
+    t.cost.charge(t0, upkeep=True)
     req_ids = [index_to_req_id.get(int(i)) if int(i) >= 0 else None
                for i in flat[:n]]
     if not any(r in known for r in req_ids):
