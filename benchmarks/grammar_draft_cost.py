@@ -323,6 +323,13 @@ class Lane:
         from vllm_patch.v1.spec_decode import llm_base_proposer as lbp
 
         self.world, self.mode, self.k, self.batch, self.rng = world, mode, k, batch, rng
+        # Every random choice is a function of the batch row, the row's
+        # request generation and the document position (not of a stream
+        # the lanes share in order): a row whose state is stock's makes
+        # stock's choices in every mode, so lanes differ only where a mode's
+        # drafting changed a request's course.
+        self.seed = args.seed
+        self.gen = [0] * batch
         self.accuracy = args.drafter_accuracy
         self.second = args.drafter_second
         self.config = world.config(mode, k, batch)
@@ -341,8 +348,8 @@ class Lane:
         self.reqs: list[dict[str, Any]] = []
         self.requests: dict[str, Any] = {}   # the runner's request states
         self.sched: dict[str, Any] = {}      # the scheduler's requests
-        for _ in range(batch):
-            self.reqs.append(self._new_request(start=None))
+        for row in range(batch):
+            self.reqs.append(self._new_request(row, start=None))
         self.drafts: list[list[int]] = [[] for _ in range(batch)]
         self.sampled: list[list[int]] = [[] for _ in range(batch)]
         self.tracker = None
@@ -358,13 +365,15 @@ class Lane:
             self.prepare = lbp._make_prepare_padded(_prepare_stub)
             self.propose = lbp._make_propose(_propose_loop)
 
-    def _new_request(self, start: int | None) -> dict[str, Any]:
+    def _new_request(self, row: int, start: int | None) -> dict[str, Any]:
         from vllm.sampling_params import StructuredOutputsParams
         from vllm.v1.structured_output.backend_types import StructuredOutputOptions
 
-        spec, ids = self.world.docs[self.rng.randrange(len(self.world.docs))]
+        self.gen[row] += 1
+        rng = random.Random(f"{self.seed}:{row}:{self.gen[row]}")
+        spec, ids = self.world.docs[rng.randrange(len(self.world.docs))]
         if start is None:
-            start = self.rng.randrange(0, max(1, len(ids) // 2))
+            start = rng.randrange(0, max(1, len(ids) // 2))
         self.serial += 1
         rid = f"{self.mode}-{self.serial}"
         g = self.world.backend.compile_grammar(StructuredOutputOptions.JSON, spec)
@@ -425,7 +434,7 @@ class Lane:
             if r["pos"] >= len(r["ids"]):
                 del self.requests[r["rid"]]
                 del self.sched[r["rid"]]
-                self.reqs[i] = self._new_request(start=0)
+                self.reqs[i] = self._new_request(i, start=0)
                 self.sampled[i] = []
 
     # -- drafting (worker side) --------------------------------------------
@@ -474,13 +483,19 @@ class Lane:
             at = r["pos"] + len(self.sampled[i]) + j
             doc = r["ids"][at] if at < len(r["ids"]) else None
             docs.append(-1 if doc is None else doc)
-            if following[i] and doc is not None and self.rng.random() < self.accuracy:
+            # This row's choices at this point of its document (the same in
+            # every mode; ints hash to themselves, tuples deterministically).
+            key = (self.seed, i, self.gen[i], at)
+            u_first = (hash(key + (1,)) & 0xFFFFFF) / 0x1000000
+            u_second = (hash(key + (2,)) & 0xFFFFFF) / 0x1000000
+            other = hash(key + (3,)) % size
+            if following[i] and doc is not None and u_first < self.accuracy:
                 first.append(doc)
                 second.append(-1)
                 continue
-            first.append(self.rng.randrange(size))
+            first.append(other)
             second.append(doc if following[i] and doc is not None
-                          and self.rng.random() < self.second else -1)
+                          and u_second < self.second else -1)
         return first, second, docs
 
 
@@ -616,6 +631,8 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
                 # waited for): the cost model sees the host's share only.
                 t.cost.host_ns = max(0, t.cost.host_ns - delta.get("device_ns", 0)
                                      - comp - argmax_ns)
+                # The one-off compiles are in the shadows' upkeep.
+                t.cost.upkeep_ns = max(0, t.cost.upkeep_ns - comp)
             row = {
                 "verify_ms": verify_ns / 1e6,
                 "verify_rows": lane.verify_rows,
