@@ -237,6 +237,23 @@ def test_upkeep_priced_per_shadow_walk_per_walked_row(monkeypatch):
     assert cost.cost_samples[-1] == pytest.approx(110e3, rel=0.01)
 
 
+def test_a_slow_first_step_does_not_make_the_walk_look_cheap(monkeypatch):
+    """B=256 in 20 ms steps where the walk does not pay (0.2 tokens per row
+    on 2, 200 us per row: +10 % tokens for +250 % time); the batch's first
+    step took 600 ms (it built 256 shadows). Measured on a sample, then off:
+    no step walks the whole batch (an average seeded by the first step time
+    read the walk as 30 times cheaper and walked every row for 10 steps)."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    cost.observe(0, 0)  # the step before: the clock starts
+    _steps(cost, clock, 1, step_ms=600, tokens=256, rows=256,
+           host_us_per_row=200, gain_per_row=0.2)
+    walked = _steps(cost, clock, 16, step_ms=20, tokens=512, rows=256,
+                    host_us_per_row=200, gain_per_row=0.2)
+    assert max(walked) == dc.SAMPLE_ROWS
+    assert cost.regime == "dormant"
+
+
 def test_disabled_model_always_walks(monkeypatch):
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=False, sync_ns=30e3)

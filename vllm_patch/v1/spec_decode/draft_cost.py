@@ -52,7 +52,10 @@ Decision (every step, before drafting): walk the grammar iff
     rows * gain_per_row / tokens_per_step  >  cost_this_step / step_time
 i.e. the relative gain in tokens per step beats the relative growth of the
 step time (tokens per step and step time are the batch's, measured between
-consecutive steps). Off for a step: the drafts are stock's, the shadows are
+consecutive steps, each the median of the last `STEP_WINDOW` steps: the step
+that builds a batch's shadows, which at B=256 with guidance took 30 times a
+normal step, once seeded a moving average that made the walk look cheap for
+a dozen steps). Off for a step: the drafts are stock's, the shadows are
 still advanced; every `OFF_PROBE_EVERY`th step in a row that is off walks a
 sample all the same (a probe: it measures the gain again, so that a batch
 whose first steps gained nothing, e.g. right after its prefills, comes back
@@ -77,7 +80,10 @@ logger = logging.getLogger(__name__)
 
 # Before anything is measured the feature runs (gain assumed, then measured).
 PRIOR_GAIN_PER_ROW = 1.0
-EMA = 0.1
+# Steps the batch's step time and tokens per step look back on (medians:
+# a step that builds a batch's shadows, or its first after the prefills,
+# is one sample among several).
+STEP_WINDOW = 5
 # Walking steps the estimates look back on (see the module docstring).
 COST_WINDOW, GAIN_WINDOW, FILL_WINDOW = 5, 16, 3
 DORMANT_AFTER = 8
@@ -91,8 +97,12 @@ FILL_SAMPLE_EVERY = 16
 BACKOFF_FIRST, BACKOFF_MAX = 256, 16384
 
 
-def _ema(old: float | None, new: float) -> float:
-    return new if old is None else old + EMA * (new - old)
+def _median(samples: deque, new: float, low: bool) -> float:
+    """The median of the window with `new` in it; between two middle
+    samples the one that makes the walk look dearer (the shorter step, the
+    more tokens)."""
+    samples.append(new)
+    return (statistics.median_low if low else statistics.median_high)(samples)
 
 
 @dataclass
@@ -101,7 +111,7 @@ class DraftCost:
     sync_ns: float
     regime: str = "on"
     step: int = 0
-    # Measured (moving averages).
+    # Measured (medians of the last STEP_WINDOW steps).
     step_ns: float | None = None
     tokens_per_step: float | None = None
     cost_per_row_ns: float | None = None
@@ -111,6 +121,8 @@ class DraftCost:
     row_fill_ns: float | None = None
     walked_steps: int = 0
     cost_samples: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    step_samples: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
+    token_samples: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     gain_samples: deque = field(default_factory=lambda: deque(maxlen=GAIN_WINDOW))
     fill_samples: deque = field(default_factory=lambda: deque(maxlen=FILL_WINDOW))
     # This step's accounting (since the last observe).
@@ -163,10 +175,12 @@ class DraftCost:
         self.step += 1
         now = time.perf_counter_ns()
         if self.last_step_at is not None:
-            self.step_ns = _ema(self.step_ns, float(now - self.last_step_at))
+            self.step_ns = _median(self.step_samples,
+                                   float(now - self.last_step_at), low=True)
         self.last_step_at = now
         if batch_tokens > 0:
-            self.tokens_per_step = _ema(self.tokens_per_step, float(batch_tokens))
+            self.tokens_per_step = _median(self.token_samples,
+                                           float(batch_tokens), low=False)
         if self.rows > 0 and self.walked:
             upkeep = min(self.upkeep_ns, self.host_ns)
             walk = self.host_ns - upkeep + self.syncs * self.sync_ns \
