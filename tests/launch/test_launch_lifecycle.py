@@ -383,6 +383,72 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
     assert "logs kept" not in err
 
 
+def test_cli_kv_folder_in_a_users_path_goes_at_sigint(ray_cluster, tmp_path):
+    """ExampleConnector with a shared_storage_path the user gives: the
+    deployment's KV files go to a folder of its own in it, named in the
+    start-up output and made before the servers start; SIGINT removes that
+    folder with everything in it, and the user's own files stay."""
+    user = tmp_path / "kv"
+    user.mkdir()
+    (user / "notes.txt").write_text("the user's")
+    ready = tmp_path / "ready.json"
+    exe = Path(sys.executable).with_name("vllm-patch")
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--model", "standin", "--server-command", " ".join(STANDIN),
+         "--address", ray_cluster.address, "--port", "0", "--ready-file", str(ready),
+         "--prefill-resource", "prefill_node", "--decode-resource", "decode_node",
+         "--connector", "ExampleConnector",
+         "--kv-connector-extra-config", json.dumps({"shared_storage_path": str(user)}),
+         "--", "--kv-cache-memory-bytes", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        info = json.loads(ready.read_text())
+        ask(info["url"])
+        own = [p for p in user.iterdir() if p.name.startswith("vllm-patch-")]
+        assert len(own) == 1 and own[0].is_dir(), own
+        cmdlines = [" ".join(psutil.Process(i["pid"]).cmdline()) for i in info["instances"]]
+        assert all(f'"shared_storage_path": "{own[0]}"' in c for c in cmdlines), cmdlines
+        (own[0] / "5f3a").mkdir()  # what ExampleConnector writes: a folder per prompt
+        (own[0] / "5f3a" / "model.layers.0.self_attn.attn.safetensors").write_bytes(b"kv")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert re.search(rf"KV cache files \(ExampleConnector\) in {re.escape(str(own[0]))}, "
+                     r"this deployment's own folder, removed when it stops\n", err), err
+    assert err.index("KV cache files") < err.index("prefill-0 starting:"), err
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"], err
+    assert (user / "notes.txt").read_text() == "the user's"
+    assert "Traceback" not in err and "WARNING" not in err, err
+
+
+def test_cli_missing_kv_path_is_refused_before_any_server(ray_cluster, tmp_path):
+    exe = Path(sys.executable).with_name("vllm-patch")
+    missing = tmp_path / "not-mounted"
+    r = subprocess.run(
+        [str(exe), "launch", "--model", "standin", "--server-command", " ".join(STANDIN),
+         "--address", ray_cluster.address, "--port", "0",
+         "--prefill-resource", "prefill_node", "--decode-resource", "decode_node",
+         "--connector", "ExampleConnector",
+         "--kv-connector-extra-config", json.dumps({"shared_storage_path": str(missing)}),
+         "--", "--kv-cache-memory-bytes", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    for name in ("prefill-0", "decode-0"):
+        assert re.search(rf"^(error: )?{name} on node \S+: shared_storage_path "
+                         rf"\(kv_connector_extra_config\) {re.escape(str(missing))} does "
+                         r"not exist on this node", r.stderr, re.M), r.stderr
+    assert "starting:" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not missing.exists()
+
+
 def test_cli_signal_during_close_is_waited_for(ray_cluster, tmp_path):
     """A deployment closing after an error (an instance died for good) is
     not interrupted by SIGINT / SIGTERM: each is acknowledged, the close
