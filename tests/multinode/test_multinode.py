@@ -4,7 +4,9 @@ ExampleConnector over a folder every node sees. The official `openai`
 client sends concurrent streaming and non-streaming structured requests
 (JSON schema, regex, choice) to A's address; the decode node's link goes
 down for 20 s under load; SIGINT to the launcher then stops every server on
-every node and leaves the cluster (given with --address) running."""
+every node, removes the deployment's KV folder in the shared folder (the
+user's own file there stays) and leaves the cluster (given with --address)
+running."""
 
 from __future__ import annotations
 
@@ -144,16 +146,21 @@ def _servers_on(c, node: str) -> list[int]:
 
 @pytest.mark.patched_only
 @pytest.mark.timeout(1500)
-@pytest.mark.xfail(strict=True, reason="known bug: after the stop, the KV files "
-                   "ExampleConnector wrote stay in a folder given with "
-                   "--kv-connector-extra-config shared_storage_path (every other "
-                   "check of this test passes)")
 def test_example_connector_across_namespaces(cluster):
     c = cluster
+    # the folder every node sees (one file system: like an NFS mount), with
+    # a file of the user's in it
     kv = c.root / "kv"
+    kv.mkdir()
+    (kv / "notes.txt").write_text("the user's")
     launcher, ready = _launch(c, ["--connector", "ExampleConnector",
                                   "--kv-connector-extra-config",
                                   json.dumps({"shared_storage_path": str(kv)})])
+    own = [p for p in kv.iterdir() if p.name.startswith("vllm-patch-")]
+    assert len(own) == 1 and own[0].is_dir(), own
+    own = own[0]
+    assert (f"KV cache files (ExampleConnector) in {own}, this deployment's own folder, "
+            "removed when it stops") in (c.root / "launch.log").read_text()
     url = ready["url"]
     assert url == f"http://{c.nodes['A'].ip}:{ROUTER_PORT}", url
     by_name = {i["name"]: i for i in ready["instances"]}
@@ -168,6 +175,9 @@ def test_example_connector_across_namespaces(cluster):
     assert [o["error"] for o in outs] == [None] * 12, outs
     _check_stop_valid(reqs, outs)
     report["baseline"] = {"ok": 12, "stop": sum(o["finish"] == "stop" for o in outs)}
+    # prefill on B wrote the prompts' KV cache there, decode on C read it
+    report["kv_files"] = len(list(own.glob("*/*.safetensors")))
+    assert report["kv_files"] > 0, sorted(own.rglob("*"))
     assert wl.is_idle(_idle(ready["instances"]))
 
     # 2. the decode node's link down 20 s under load, then up
@@ -213,5 +223,7 @@ def test_example_connector_across_namespaces(cluster):
     for n in "ABC":
         assert _servers_on(c, n) == [], n
     assert list((c.root / "tmp").glob("vllm-patch-launch-*")) == []
-    assert not kv.exists() or list(kv.iterdir()) == []
+    # the deployment's KV folder is gone on every node, the user's file stays
+    assert sorted(p.name for p in kv.iterdir()) == ["notes.txt"]
+    assert (kv / "notes.txt").read_text() == "the user's"
     assert len([n for n in c.ray_nodes() if n["alive"]]) == 3  # the cluster stays
