@@ -140,8 +140,17 @@ def test_killed_instance_is_restarted(ray_cluster):
 
 def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
     """The actor's process dies (node agent kill, OOM): its server and the
-    server's child stop too (PDEATHSIG), and the deployment reports it."""
-    with Deployment(config(log_dir=str(tmp_path))) as dep:  # failure: logs kept
+    server's child stop too (PDEATHSIG), and the deployment reports it. With
+    ExampleConnector in a user-given folder, the deployment's subfolder still
+    goes (the other supervisor and the launcher see it), and the stop says
+    on which node it may remain if that node's folder is not shared."""
+    user = tmp_path / "kv"
+    user.mkdir()
+    (user / "notes.txt").write_text("the user's")
+    lines: list[str] = []
+    with Deployment(config(log_dir=str(tmp_path / "logs"), connector="ExampleConnector",
+                           kv_connector_extra_config={"shared_storage_path": str(user)}),
+                    progress=lines.append) as dep:  # failure: logs kept
         dec = dep.role_instances("decode")[0]
         pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == dec.status["pid"]]
         assert len(pids) == 2
@@ -150,6 +159,12 @@ def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
         with pytest.raises(LaunchError, match="decode-0: its supervisor actor died"):
             deadline = time.monotonic() + 60
             dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+        own = user / f"vllm-patch-{dep.id}"
+        assert own.is_dir()
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    text = "\n".join(lines)
+    assert f"the KV cache folder {own} may remain on node(s) {dec.info['ip']}, whose " \
+        "supervisor was gone at the stop" in text, text
 
 
 class _Unavailable:

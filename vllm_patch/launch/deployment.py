@@ -647,20 +647,22 @@ class Deployment:
                 except Exception as e:  # the actor is gone: PDEATHSIG took the server
                     self._say(f"{inst.name}: stop failed ({type(e).__name__}); its "
                               "server dies with its actor", logging.WARNING)
-            kv_unsure: list[str] = []  # nodes where the KV folder may remain
+            # nodes where the KV folder may remain: supervisor gone, or stuck
+            kv_gone: list[str] = []
+            kv_stuck: list[str] = []
             for inst in self.instances:  # one by one: the last removes the folder
                 try:
                     done = ray.get(inst.actor.cleanup.remote(failed), timeout=30)
                     if done["log"]:
                         kept.append(done["log"])
                     if done["kv_dir"]:
-                        kv_unsure.append(inst.info.get("ip", "?"))
+                        kv_stuck.append(inst.info.get("ip", "?"))
                 except Exception:  # noqa: BLE001 - the actor is gone
                     if inst.info:
-                        kv_unsure.append(inst.info.get("ip", "?"))
+                        kv_gone.append(inst.info.get("ip", "?"))
                 ray.kill(inst.actor, no_restart=True)
             if self._kv_storage is not None:
-                self._remove_kv_storage(kv_unsure)
+                self._remove_kv_storage(kv_gone, kv_stuck)
         if self._connected:
             import ray
 
@@ -684,11 +686,12 @@ class Deployment:
             self._say(f"logs kept: {', '.join(kept)}")
         self._say("stopped" + (" (local Ray cluster shut down)" if self._owns_ray else ""))
 
-    def _remove_kv_storage(self, unsure: list[str]) -> None:
-        """ExampleConnector's KV folder as this host sees it (the nodes'
-        supervisors removed theirs; this covers a folder shared with a node
-        whose supervisor is gone), and a warning naming the nodes where it
-        may remain."""
+    def _remove_kv_storage(self, gone: list[str], stuck: list[str]) -> None:
+        """ExampleConnector's KV folder as this host sees it (each node's
+        supervisor removed its own; this covers a folder this host shares
+        with a node whose supervisor is `gone`), and a warning naming the
+        nodes where it may remain (`stuck`: the supervisor could not remove
+        it)."""
         assert self._kv_storage is not None
         path = self._kv_storage
         here = os.path.isdir(path) and not os.path.islink(path)
@@ -703,11 +706,16 @@ class Deployment:
         if os.path.exists(path):
             self._say(f"could not remove the KV cache folder {path} on this host: "
                       "remove it by hand", logging.WARNING)
-        elif unsure and not here:
-            nodes = ", ".join(sorted(set(unsure)))
-            self._say(f"the KV cache folder {path} may remain on node(s) {nodes} (their "
-                      "supervisor was gone at the stop): remove it there if it does",
+        elif stuck:
+            self._say(f"could not remove the KV cache folder {path} on node(s) "
+                      f"{', '.join(sorted(set(stuck)))}: remove it there by hand",
                       logging.WARNING)
+        if gone:
+            self._say(f"the KV cache folder {path} may remain on node(s) "
+                      f"{', '.join(sorted(set(gone)))}, whose supervisor was gone at the "
+                      "stop" + (" (removed on this host, so there too if the folder "
+                                "is shared)" if here else "")
+                      + ": remove it there if it does", logging.WARNING)
 
     def _remove_local_folder(self) -> None:
         """This host's deployment folder, when supervisors that died could
