@@ -137,7 +137,7 @@ class Cluster:
                 shared, own = self.local_folder(None), self.local_folder(n)
                 shared.mkdir(exist_ok=True)
                 own.mkdir(exist_ok=True)
-                args = ["sh", "-c", 'mount --bind "$0" "$1" && exec "$@"',
+                args = ["sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
                         str(own), str(shared), *args]
             self.spawn(n, args, f"ray-{n}.log")
             # one raylet at a time: on a busy 2-core host two registering at
