@@ -140,8 +140,17 @@ def test_killed_instance_is_restarted(ray_cluster):
 
 def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
     """The actor's process dies (node agent kill, OOM): its server and the
-    server's child stop too (PDEATHSIG), and the deployment reports it."""
-    with Deployment(config(log_dir=str(tmp_path))) as dep:  # failure: logs kept
+    server's child stop too (PDEATHSIG), and the deployment reports it. With
+    ExampleConnector in a user-given folder, the deployment's subfolder still
+    goes (the other supervisor and the launcher see it), and the stop says
+    on which node it may remain if that node's folder is not shared."""
+    user = tmp_path / "kv"
+    user.mkdir()
+    (user / "notes.txt").write_text("the user's")
+    lines: list[str] = []
+    with Deployment(config(log_dir=str(tmp_path / "logs"), connector="ExampleConnector",
+                           kv_connector_extra_config={"shared_storage_path": str(user)}),
+                    progress=lines.append) as dep:  # failure: logs kept
         dec = dep.role_instances("decode")[0]
         pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == dec.status["pid"]]
         assert len(pids) == 2
@@ -150,6 +159,12 @@ def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
         with pytest.raises(LaunchError, match="decode-0: its supervisor actor died"):
             deadline = time.monotonic() + 60
             dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+        own = user / f"vllm-patch-{dep.id}"
+        assert own.is_dir()
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    text = "\n".join(lines)
+    assert f"the KV cache folder {own} may remain on node(s) {dec.info['ip']}, whose " \
+        "supervisor was gone at the stop" in text, text
 
 
 class _Unavailable:
@@ -381,6 +396,72 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
     folder = Path(re.search(r"log (\S+)/prefill-0\.log", err).group(1))
     assert folder.name.startswith("vllm-patch-launch-") and not folder.exists(), err
     assert "logs kept" not in err
+
+
+def test_cli_kv_folder_in_a_users_path_goes_at_sigint(ray_cluster, tmp_path):
+    """ExampleConnector with a shared_storage_path the user gives: the
+    deployment's KV files go to a folder of its own in it, named in the
+    start-up output and made before the servers start; SIGINT removes that
+    folder with everything in it, and the user's own files stay."""
+    user = tmp_path / "kv"
+    user.mkdir()
+    (user / "notes.txt").write_text("the user's")
+    ready = tmp_path / "ready.json"
+    exe = Path(sys.executable).with_name("vllm-patch")
+    proc = subprocess.Popen(
+        [str(exe), "launch", "--model", "standin", "--server-command", " ".join(STANDIN),
+         "--address", ray_cluster.address, "--port", "0", "--ready-file", str(ready),
+         "--prefill-resource", "prefill_node", "--decode-resource", "decode_node",
+         "--connector", "ExampleConnector",
+         "--kv-connector-extra-config", json.dumps({"shared_storage_path": str(user)}),
+         "--", "--kv-cache-memory-bytes", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        info = json.loads(ready.read_text())
+        ask(info["url"])
+        own = [p for p in user.iterdir() if p.name.startswith("vllm-patch-")]
+        assert len(own) == 1 and own[0].is_dir(), own
+        cmdlines = [" ".join(psutil.Process(i["pid"]).cmdline()) for i in info["instances"]]
+        assert all(f'"shared_storage_path": "{own[0]}"' in c for c in cmdlines), cmdlines
+        (own[0] / "5f3a").mkdir()  # what ExampleConnector writes: a folder per prompt
+        (own[0] / "5f3a" / "model.layers.0.self_attn.attn.safetensors").write_bytes(b"kv")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert re.search(rf"KV cache files \(ExampleConnector\) in {re.escape(str(own[0]))}, "
+                     r"this deployment's own folder, removed when it stops\n", err), err
+    assert err.index("KV cache files") < err.index("prefill-0 starting:"), err
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"], err
+    assert (user / "notes.txt").read_text() == "the user's"
+    assert "Traceback" not in err and "WARNING" not in err, err
+
+
+def test_cli_missing_kv_path_is_refused_before_any_server(ray_cluster, tmp_path):
+    exe = Path(sys.executable).with_name("vllm-patch")
+    missing = tmp_path / "not-mounted"
+    r = subprocess.run(
+        [str(exe), "launch", "--model", "standin", "--server-command", " ".join(STANDIN),
+         "--address", ray_cluster.address, "--port", "0",
+         "--prefill-resource", "prefill_node", "--decode-resource", "decode_node",
+         "--connector", "ExampleConnector",
+         "--kv-connector-extra-config", json.dumps({"shared_storage_path": str(missing)}),
+         "--", "--kv-cache-memory-bytes", "1"],
+        capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    for name in ("prefill-0", "decode-0"):
+        assert re.search(rf"^(error: )?{name} on node \S+: shared_storage_path "
+                         rf"\(kv_connector_extra_config\) {re.escape(str(missing))} does "
+                         r"not exist on this node", r.stderr, re.M), r.stderr
+    assert "starting:" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not missing.exists()
 
 
 def test_cli_signal_during_close_is_waited_for(ray_cluster, tmp_path):

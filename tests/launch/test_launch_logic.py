@@ -2,12 +2,15 @@
 split between the vLLM servers of one host, the user's own memory settings,
 reading a server's exit cause from its log, and fail-fast on a start failure
 that repeats (real subprocesses that fail at once, supervised by the real
-InstanceSupervisor)."""
+InstanceSupervisor), and ExampleConnector's KV folder in a path the user
+gives (made, refused with the path named, removed without the user's
+files)."""
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +18,8 @@ from vllm_patch.launch.config import LaunchConfig, LaunchError
 from vllm_patch.launch.deployment import (
     MEMORY_HEADROOM, VLLM_MEMORY_UTILIZATION, Deployment, Instance, memory_utilization,
     own_memory_setting)
-from vllm_patch.launch.supervisor import InstanceSupervisor, exit_cause, same_cause
+from vllm_patch.launch.supervisor import (InstanceSupervisor, exit_cause, kv_folder,
+                                          same_cause)
 
 pytestmark = pytest.mark.unit
 
@@ -160,3 +164,95 @@ def test_memory_flags_given_to_the_servers():
     with pytest.raises(LaunchError, match=r"2 vLLM server\(s\) on h1 would get 1\.0 GiB "
                        r"of memory each .* --kv-cache-memory-bytes"):
         _deployment(3)._memory_args()
+
+
+def _kv_supervisor(tmp_path, name: str = "prefill-0") -> InstanceSupervisor:
+    return InstanceSupervisor(name, log_dir=str(tmp_path / "logs"), deployment_id="abcd1234")
+
+
+def test_kv_folder_in_a_users_path_is_the_deployments_own(tmp_path):
+    """ExampleConnector with a shared_storage_path the user gave: each
+    supervisor makes `<path>/vllm-patch-<id>` (a folder the nodes share is
+    made once and removed once), cleanup removes it with every KV file in
+    it, and the user's own files in the path stay."""
+    user = tmp_path / "kv"
+    user.mkdir()
+    (user / "mine.txt").write_text("the user's")
+    (user / "vllm-patch-other").mkdir()  # another deployment's folder
+    kv = kv_folder(str(user), "abcd1234")
+    assert kv == str(user / "vllm-patch-abcd1234")
+    sups = [_kv_supervisor(tmp_path, n) for n in ("prefill-0", "decode-0")]
+    for s in sups:
+        s.prepare("standin", None, {}, kv)
+    assert Path(kv).is_dir()
+    (Path(kv) / "0123abcd").mkdir()
+    (Path(kv) / "0123abcd" / "layer.0.safetensors").write_bytes(b"kv")
+    assert [s.cleanup(keep_logs=False) for s in sups] == [
+        {"log": None, "kv_dir": None}] * 2
+    assert sorted(p.name for p in user.iterdir()) == ["mine.txt", "vllm-patch-other"]
+    assert (user / "mine.txt").read_text() == "the user's"
+
+
+def test_kv_folder_a_relative_path_is_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert kv_folder("kv", "ab") == str(tmp_path / "kv" / "vllm-patch-ab")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert kv_folder("~/kv", "ab") == str(tmp_path / "kv" / "vllm-patch-ab")
+
+
+def test_cleanup_never_removes_the_users_path(tmp_path):
+    user = tmp_path / "kv"
+    user.mkdir()
+    (user / "mine.txt").write_text("x")
+    sup = _kv_supervisor(tmp_path)
+    sup.prepare("standin", None, {})
+    sup.kv_dir = user  # not the deployment's own folder: kept whatever it holds
+    sup.cleanup(keep_logs=False)
+    assert (user / "mine.txt").exists()
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.write_text("a file"), "is not a folder"),
+])
+def test_a_missing_kv_path_is_refused_naming_it(tmp_path, make, reason):
+    user = tmp_path / "nowhere"
+    make(user)
+    sup = _kv_supervisor(tmp_path)
+    with pytest.raises(LaunchError) as e:
+        sup.prepare("standin", None, {}, kv_folder(str(user), "abcd1234"))
+    assert str(e.value).startswith(
+        f"prefill-0 on node {sup.host}: shared_storage_path (kv_connector_extra_config) "
+        f"{user} {reason} on this node"), e.value
+    assert sup.kv_dir is None
+
+
+def test_an_unwritable_kv_path_is_refused_naming_it(tmp_path, monkeypatch):
+    user = tmp_path / "ro"
+    user.mkdir()
+    real_mkdir = Path.mkdir
+
+    def mkdir(self, *a, **kw):
+        if self.parent == user:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir)  # root may write anywhere
+    sup = _kv_supervisor(tmp_path)
+    with pytest.raises(LaunchError, match=rf"shared_storage_path \(kv_connector_extra_"
+                       rf"config\) {user} is not writable on this node \(cannot create "
+                       r"vllm-patch-abcd1234 in it: Permission denied\)"):
+        sup.prepare("standin", None, {}, kv_folder(str(user), "abcd1234"))
+    assert list(user.iterdir()) == []
+
+
+def test_the_default_kv_folder_of_another_nodes_path_is_made_and_removed(tmp_path):
+    """The launcher's default KV folder is in the prefill node's deployment
+    folder; a supervisor whose temp dir differs makes that path and removes
+    it again (nothing of the deployment stays)."""
+    other = tmp_path / "elsewhere" / "vllm-patch-launch-abcd1234" / "kv"
+    sup = _kv_supervisor(tmp_path)
+    sup.prepare("standin", None, {}, str(other))
+    assert other.is_dir()
+    sup.cleanup(keep_logs=False)
+    assert list((tmp_path / "elsewhere").iterdir()) == []

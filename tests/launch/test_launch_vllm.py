@@ -8,8 +8,10 @@ Checks: placement by node resource; the plugin is active in the servers;
 structured requests through the endpoint return valid output with nothing
 after the grammar's end (requests without ignore_eos, which stock also gets
 right: G1-G4 themselves are proven by tests/e2e and tests/v1); a killed decode
-server is restarted and serves again; at idle no KV block is held; teardown
-leaves no process. Patched run only: the launcher does not depend on the
+server is restarted and serves again; at idle no KV block is held; SIGINT
+(through the command's own handler) stops it, leaving no process, and the
+KV files ExampleConnector wrote in a shared_storage_path the user gave go
+with the deployment's own folder there while the user's file stays. Patched run only: the launcher does not depend on the
 patches, and a stock deployment is what `vllm-patch demo` (tests/launch/
 test_demo.py) starts next to a patched one."""
 
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 import vllm_patch
+from vllm_patch.launch import command
 from vllm_patch.launch.config import LaunchConfig
 from vllm_patch.launch.deployment import Deployment
 from vllm_patch.testing import workload as wl
@@ -57,7 +60,32 @@ def _requests(n: int) -> list[dict]:
 @pytest.mark.timeout(900)
 def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg):
     lines: list[str] = []
+    user_kv = Path(tiny_cfg.kv_connector_extra_config["shared_storage_path"])
+    user_kv.mkdir()
+    (user_kv / "notes.txt").write_text("the user's")
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    command.handle_stop_signals()  # the command's own handlers: SIGINT stops it
+    pids: list[int] = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _serve_then_sigint(tiny_cfg, node_of_resource, lines, user_kv, pids)
+    finally:
+        command._stopping = False
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    text = "\n".join(lines)
+    assert "decode-0 exited (code -9: killed by SIGKILL); restarted (1/1) as pid" in text, text
+    # the KV files went with the deployment's own folder; the user's file stays
+    assert sorted(p.name for p in user_kv.iterdir()) == ["notes.txt"], text
+    assert (user_kv / "notes.txt").read_text() == "the user's"
+    assert len(pids) >= 4 and gone(pids, 60) == []  # two api servers + engine cores
+
+
+def _serve_then_sigint(tiny_cfg, node_of_resource, lines, user_kv, pids) -> None:
     with Deployment(tiny_cfg, progress=lines.append) as dep:
+        own = user_kv / f"vllm-patch-{dep.id}"
+        assert f"KV cache files (ExampleConnector) in {own}, this deployment's own " \
+            "folder, removed when it stops" in "\n".join(lines)
         assert {i.name: i.info["node_id"] for i in dep.instances} == {
             "prefill-0": node_of_resource["prefill_node"],
             "decode-0": node_of_resource["decode_node"]}
@@ -71,6 +99,8 @@ def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg):
         print("\n" + wl.summary("launch", res))
         assert res["counts"]["valid"] == 12 and res["counts"]["post_grammar_tokens"] == 0
         assert wl.is_idle(res["idle"]), res["idle"]
+        # ExampleConnector wrote the prompts' KV cache in the deployment's folder
+        assert list(own.glob("*/*.safetensors")), sorted(own.rglob("*"))
 
         # a decode server killed mid-service is restarted and serves again
         dec = dep.role_instances("decode")[0]
@@ -85,8 +115,7 @@ def test_real_vllm_pd_on_ray(ray_cluster, node_of_resource, tiny_cfg):
         res = wl.run_batch(dep, _requests(4))
         assert res["counts"]["valid"] == 4 and res["counts"]["post_grammar_tokens"] == 0
         assert wl.is_idle(res["idle"]), res["idle"]
-        pids = server_pids(dep)
-        assert len(pids) >= 4  # two api servers + their engine cores
-    assert gone(pids, 60) == []
-    text = "\n".join(lines)
-    assert "decode-0 exited (code -9: killed by SIGKILL); restarted (1/1) as pid" in text, text
+        pids.extend(server_pids(dep))
+        os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends the command
+        time.sleep(30)
+        raise AssertionError("SIGINT did not stop the deployment")

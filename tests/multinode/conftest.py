@@ -17,13 +17,24 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture
 def cluster():
+    yield from _cluster()
+
+
+@pytest.fixture
+def cluster_local_kv():
+    """The cluster with a folder `kv` local to each node (same path, not
+    shared): tests/multinode/netns.py Cluster(node_local=...)."""
+    yield from _cluster(node_local="kv")
+
+
+def _cluster(**kw):
     if os.geteuid() != 0:
         pytest.skip("the multi-node tier builds network namespaces: it needs root")
     if shutil.which("ip") is None:
         pytest.skip("the multi-node tier needs iproute2's `ip`")
     from .netns import Cluster
 
-    c = Cluster()
+    c = Cluster(**kw)
     try:
         c.build_network()
         c.start_ray()

@@ -50,7 +50,11 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, prefix: str = "vpmn") -> None:
+    def __init__(self, prefix: str = "vpmn", node_local: str | None = None) -> None:
+        """`node_local`: a folder name in the cluster's root that each worker
+        node (B, C) sees as a folder of its own (root/<name>-<node> bound
+        over root/<name> in the node's mount namespace, like a local disk at
+        the same path on each host); A and the test see root/<name> itself."""
         tag = f"{prefix}{os.getpid() % 100000}"
         self.tag = tag
         self.bridge = f"{tag}br"[:15]
@@ -59,6 +63,7 @@ class Cluster:
                       for i, n in enumerate("ABC")}
         # short: Ray's AF_UNIX socket paths must fit in 107 bytes
         self.root = Path(f"/tmp/{tag}")
+        self.node_local = node_local
         self.procs: list[subprocess.Popen] = []
         self.created: list[tuple[str, str]] = []  # (kind, name), teardown in reverse
 
@@ -121,13 +126,30 @@ class Cluster:
                          "--resources", json.dumps({"head": 1}), *common], "ray-A.log")
         time.sleep(3)
         for n, res in (("B", "prefill"), ("C", "decode")):
-            self.spawn(n, ["ray", "start", "--address", self.address,
-                           "--node-ip-address", self.nodes[n].ip,
-                           "--resources", json.dumps({res: 1}),
-                           "--labels", json.dumps({"pd-role": res}), *common], f"ray-{n}.log")
+            args = ["ray", "start", "--address", self.address,
+                    "--node-ip-address", self.nodes[n].ip,
+                    "--resources", json.dumps({res: 1}),
+                    "--labels", json.dumps({"pd-role": res}), *common]
+            if self.node_local:
+                # `ip netns exec` runs in a mount namespace of its own (slave
+                # of the host's): this bind mount is seen by the node's Ray
+                # processes (raylet, actors, servers) only
+                shared, own = self.local_folder(None), self.local_folder(n)
+                shared.mkdir(exist_ok=True)
+                own.mkdir(exist_ok=True)
+                args = ["sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
+                        str(own), str(shared), *args]
+            self.spawn(n, args, f"ray-{n}.log")
             # one raylet at a time: on a busy 2-core host two registering at
             # once missed Ray's 30 s registration wait
             self.wait_nodes(2 if n == "B" else 3, 180)
+
+    def local_folder(self, node: str | None) -> Path:
+        """The node-local folder as the host sees it: node B's or C's own,
+        or (None) the one at the path they all use, A's."""
+        assert self.node_local
+        return self.root / (self.node_local if node is None
+                            else f"{self.node_local}-{node}")
 
     def ray_nodes(self) -> list[dict]:
         code = ("import json, ray; ray.init(address=%r, log_to_driver=False); "

@@ -4,7 +4,9 @@ ExampleConnector over a folder every node sees. The official `openai`
 client sends concurrent streaming and non-streaming structured requests
 (JSON schema, regex, choice) to A's address; the decode node's link goes
 down for 20 s under load; SIGINT to the launcher then stops every server on
-every node and leaves the cluster (given with --address) running."""
+every node, removes the deployment's KV folder in the shared folder (the
+user's own file there stays) and leaves the cluster (given with --address)
+running."""
 
 from __future__ import annotations
 
@@ -144,16 +146,21 @@ def _servers_on(c, node: str) -> list[int]:
 
 @pytest.mark.patched_only
 @pytest.mark.timeout(1500)
-@pytest.mark.xfail(strict=True, reason="known bug: after the stop, the KV files "
-                   "ExampleConnector wrote stay in a folder given with "
-                   "--kv-connector-extra-config shared_storage_path (every other "
-                   "check of this test passes)")
 def test_example_connector_across_namespaces(cluster):
     c = cluster
+    # the folder every node sees (one file system: like an NFS mount), with
+    # a file of the user's in it
     kv = c.root / "kv"
+    kv.mkdir()
+    (kv / "notes.txt").write_text("the user's")
     launcher, ready = _launch(c, ["--connector", "ExampleConnector",
                                   "--kv-connector-extra-config",
                                   json.dumps({"shared_storage_path": str(kv)})])
+    own = [p for p in kv.iterdir() if p.name.startswith("vllm-patch-")]
+    assert len(own) == 1 and own[0].is_dir(), own
+    own = own[0]
+    assert (f"KV cache files (ExampleConnector) in {own}, this deployment's own folder, "
+            "removed when it stops") in (c.root / "launch.log").read_text()
     url = ready["url"]
     assert url == f"http://{c.nodes['A'].ip}:{ROUTER_PORT}", url
     by_name = {i["name"]: i for i in ready["instances"]}
@@ -168,6 +175,9 @@ def test_example_connector_across_namespaces(cluster):
     assert [o["error"] for o in outs] == [None] * 12, outs
     _check_stop_valid(reqs, outs)
     report["baseline"] = {"ok": 12, "stop": sum(o["finish"] == "stop" for o in outs)}
+    # prefill on B wrote the prompts' KV cache there, decode on C read it
+    report["kv_files"] = len(list(own.glob("*/*.safetensors")))
+    assert report["kv_files"] > 0, sorted(own.rglob("*"))
     assert wl.is_idle(_idle(ready["instances"]))
 
     # 2. the decode node's link down 20 s under load, then up
@@ -213,5 +223,68 @@ def test_example_connector_across_namespaces(cluster):
     for n in "ABC":
         assert _servers_on(c, n) == [], n
     assert list((c.root / "tmp").glob("vllm-patch-launch-*")) == []
-    assert not kv.exists() or list(kv.iterdir()) == []
+    # the deployment's KV folder is gone on every node, the user's file stays
+    assert sorted(p.name for p in kv.iterdir()) == ["notes.txt"]
+    assert (kv / "notes.txt").read_text() == "the user's"
     assert len([n for n in c.ray_nodes() if n["alive"]]) == 3  # the cluster stays
+
+
+STANDIN = "{python} -m vllm_patch.testing.standin_server"
+
+
+@pytest.mark.patched_only
+@pytest.mark.timeout(600)
+def test_kv_folder_local_to_each_node_is_made_and_removed_on_each(cluster_local_kv):
+    """ExampleConnector's shared_storage_path at the same path on every node
+    but not shared (a local disk each): the supervisor on B and the one on C
+    each make the deployment's subfolder in their own folder, and at SIGINT
+    each removes its own; the user's file on each node stays, and nothing is
+    made on A (no instance there). Stand-in servers (no model: this is
+    about the launcher's folders); the test drops a file in each subfolder
+    where a server's KV files would be."""
+    c = cluster_local_kv
+    shared = c.local_folder(None)
+    folders = {"A": shared, "B": c.local_folder("B"), "C": c.local_folder("C")}
+    for n, f in folders.items():
+        (f / f"notes-{n}.txt").write_text(f"the user's, on {n}")
+    ready = c.root / "ready.json"
+    p = c.spawn("A", ["vllm-patch", "launch", "--address", c.address, "--model", "standin",
+                      "--server-command", STANDIN, "--connector", "ExampleConnector",
+                      "--kv-connector-extra-config",
+                      json.dumps({"shared_storage_path": str(shared)}),
+                      "--prefill-resource", "prefill", "--decode-resource", "decode",
+                      "--host", c.nodes["A"].ip, "--port", str(ROUTER_PORT),
+                      "--ready-file", str(ready), "--", "--kv-cache-memory-bytes", "1"],
+                "launch-local.log")
+    log = c.root / "launch-local.log"
+    deadline = time.monotonic() + 180
+    while not ready.exists():
+        assert p.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(1)
+    info = json.loads(ready.read_text())
+    own = [f for f in folders["B"].iterdir() if f.name.startswith("vllm-patch-")]
+    assert len(own) == 1, own
+    name = own[0].name
+    assert f"KV cache files (ExampleConnector) in {shared / name}, this deployment's " \
+        "own folder, removed when it stops" in log.read_text()
+    assert (folders["C"] / name).is_dir()
+    assert not (folders["A"] / name).exists()  # no instance on A
+    req = urllib.request.Request(info["url"] + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": "x", "max_tokens": 4}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+    for n in "BC":
+        (folders[n] / name / "5f3a").mkdir()
+        (folders[n] / name / "5f3a" / "layer.0.safetensors").write_bytes(b"kv")
+    p.send_signal(signal.SIGINT)
+    code = p.wait(timeout=120)
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    for n, f in folders.items():
+        assert sorted(x.name for x in f.iterdir()) == [f"notes-{n}.txt"], (n, text[-3000:])
+        assert (f / f"notes-{n}.txt").read_text() == f"the user's, on {n}"
+    assert "may remain" not in text and "could not remove" not in text, text[-3000:]
+    for n in "BC":
+        assert _servers_on(c, n) == [], n

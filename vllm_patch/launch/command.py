@@ -21,8 +21,10 @@ VLLM_CPU_KVCACHE_SPACE keeps the user's setting.
 
 Files: each node keeps the deployment's files in
 <temp dir>/vllm-patch-launch-<id>: server logs (or in --log-dir), the
-ExampleConnector KV storage, vLLM's sockets (in /tmp/vllm-patch-ipc-<id> when
-TMPDIR is too long for a socket's 107-byte path). A local Ray cluster the
+ExampleConnector KV storage (with a shared_storage_path given: in
+<that path>/vllm-patch-<id>, the rest of that folder untouched), vLLM's
+sockets (in /tmp/vllm-patch-ipc-<id> when TMPDIR is too long for a
+socket's 107-byte path). A local Ray cluster the
 command starts keeps its files in /tmp/vllm-patch-ray-<id>. At the end the
 KV storage, the sockets and Ray's files are removed, and the logs too unless
 the deployment failed (then the last line says where they are).
@@ -170,7 +172,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--kv-connector-extra-config", type=_json_object, metavar="JSON",
                    help="the connector's kv_connector_extra_config (e.g. "
                    "'{\"shared_storage_path\": \"/shared/kv\"}' for ExampleConnector "
-                   "across hosts; default there: the deployment's temp folder)")
+                   "across hosts: a folder every node mounts, where the launch keeps "
+                   "its KV files in a subfolder of its own, vllm-patch-<id>, removed "
+                   "at the stop; default: the deployment's temp folder)")
     p.add_argument("--prefill", type=int, help="number of prefill instances (default 1)")
     p.add_argument("--decode", type=int, help="number of decode instances (default 1)")
     for role in ("prefill", "decode"):

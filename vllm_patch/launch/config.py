@@ -9,7 +9,9 @@ it starts its server, and reported with the node's address.
     address: auto                  # Ray cluster; omitted: start a local one
     connector: NixlConnector
     kv_connector_extra_config: {kv_lease_duration: 300}   # ExampleConnector's
-                                   # shared_storage_path: default in the deployment's temp folder
+                                   # shared_storage_path: default in the deployment's temp
+                                   # folder; one given gets a subfolder vllm-patch-<id>
+                                   # of the deployment's own, removed at the stop
     vllm_args: [--max-model-len, "512"]      # both roles; passed to vLLM as is
     prefill: {count: 1, node_resource: prefill_node, port: 8100}   # or node_labels: {...}
     decode:  {count: 2, node_resource: decode_node, vllm_args: [--speculative-config, '{...}']}

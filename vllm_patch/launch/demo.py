@@ -80,6 +80,9 @@ def run_mode(mode: str, model: str, workdir: str, requests: list[dict],
     from vllm_patch.testing import workload as wl
 
     cfg = launch_config(mode, model, workdir, spec_k, log_dir)
+    # the launcher keeps its KV files in a subfolder of this one, which
+    # must exist (it never creates a shared_storage_path itself)
+    os.makedirs(cfg.kv_connector_extra_config["shared_storage_path"], exist_ok=True)
     logger.info("== %s: launching prefill + decode (%s)", mode,
                 "VLLM_PATCH_DISABLE=1" if mode == "stock" else "plugin active")
     t0 = time.monotonic()

@@ -10,8 +10,9 @@ Leaving the block (normally, on an error or on Ctrl-C) stops the router,
 every server's process group and every actor, and the local Ray cluster if
 this process started it. Nothing else is touched. Each node keeps the
 deployment's files in one folder, `<temp dir>/vllm-patch-launch-<id>`:
-server logs (unless `log_dir` is set), ExampleConnector's KV storage (unless
-`shared_storage_path` is set) and vLLM's IPC sockets (in
+server logs (unless `log_dir` is set), ExampleConnector's KV storage (with
+a `shared_storage_path` given: in `<that path>/vllm-patch-<id>`, which the
+supervisors create on their nodes) and vLLM's IPC sockets (in
 `/tmp/vllm-patch-ipc-<id>` when the temp dir's path is too long for an
 AF_UNIX socket address); a local Ray cluster this process starts keeps its
 session in `/tmp/vllm-patch-ray-<id>` (short whatever TMPDIR is). The KV
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from vllm_patch.launch.config import ROLES, LaunchConfig, LaunchError
-from vllm_patch.launch.supervisor import InstanceSupervisor, port_free
+from vllm_patch.launch.supervisor import InstanceSupervisor, kv_folder, port_free
 
 PLACE_TIMEOUT_S = 120.0
 # A supervisor that has not answered a status poll within this many seconds
@@ -453,7 +454,7 @@ class Deployment:
         cfg = self.cfg
         extra = dict(cfg.kv_connector_extra_config)
         if self._kv_storage is not None:
-            extra.setdefault("shared_storage_path", self._kv_storage)
+            extra["shared_storage_path"] = self._kv_storage
         kv: dict[str, Any] = {
             "kv_connector": cfg.connector,
             "kv_role": "kv_producer" if inst.role == "prefill" else "kv_consumer",
@@ -469,18 +470,24 @@ class Deployment:
         cfg = self.cfg
         binds = self._binds()
         memory = self._memory_args()
-        if (cfg.connector == "ExampleConnector"
-                and "shared_storage_path" not in cfg.kv_connector_extra_config):
-            # vLLM's default is the temp dir itself; ours goes with the
-            # deployment (one host; across hosts set a shared path)
-            self._kv_storage = os.path.join(self.role_instances("prefill")[0]
-                                            .info["tmp_dir"], "kv")
+        if cfg.connector == "ExampleConnector":
+            user_path = cfg.kv_connector_extra_config.get("shared_storage_path")
+            if user_path:
+                # a folder of this deployment's own in the user's: removed
+                # at the end with every KV file in it, the user's files stay
+                self._kv_storage = kv_folder(str(user_path), self.id)
+            else:
+                # vLLM's default is the temp dir itself; ours goes with the
+                # deployment (one host; across hosts set a shared path)
+                self._kv_storage = os.path.join(self.role_instances("prefill")[0]
+                                                .info["tmp_dir"], "kv")
         prepared = []
         for inst in self.instances:
             rc = cfg.role(inst.role)
             port = None if rc.port is None else rc.port + inst.index
             prepared.append(inst.actor.prepare.remote(cfg.model, port,
-                                                      {**cfg.env, **rc.env}))
+                                                      {**cfg.env, **rc.env},
+                                                      self._kv_storage))
         ports, errors = [], []
         for ref in prepared:  # every instance's answer, so all problems are listed
             try:
@@ -492,6 +499,9 @@ class Deployment:
                 errors.append(str(cause))
         if errors:
             raise LaunchError("\n".join(errors))
+        if self._kv_storage is not None:
+            self._say(f"KV cache files (ExampleConnector) in {self._kv_storage}, this "
+                      "deployment's own folder, removed when it stops")
         started = []
         for inst, p in zip(self.instances, ports):
             rc = cfg.role(inst.role)
@@ -637,15 +647,22 @@ class Deployment:
                 except Exception as e:  # the actor is gone: PDEATHSIG took the server
                     self._say(f"{inst.name}: stop failed ({type(e).__name__}); its "
                               "server dies with its actor", logging.WARNING)
-            remove = [self._kv_storage] if self._kv_storage else []
+            # nodes where the KV folder may remain: supervisor gone, or stuck
+            kv_gone: list[str] = []
+            kv_stuck: list[str] = []
             for inst in self.instances:  # one by one: the last removes the folder
                 try:
-                    log = ray.get(inst.actor.cleanup.remote(failed, remove), timeout=30)
-                    if log:
-                        kept.append(log)
+                    done = ray.get(inst.actor.cleanup.remote(failed), timeout=30)
+                    if done["log"]:
+                        kept.append(done["log"])
+                    if done["kv_dir"]:
+                        kv_stuck.append(inst.info.get("ip", "?"))
                 except Exception:  # noqa: BLE001 - the actor is gone
-                    pass
+                    if inst.info:
+                        kv_gone.append(inst.info.get("ip", "?"))
                 ray.kill(inst.actor, no_restart=True)
+            if self._kv_storage is not None:
+                self._remove_kv_storage(kv_gone, kv_stuck)
         if self._connected:
             import ray
 
@@ -668,6 +685,37 @@ class Deployment:
         if kept:
             self._say(f"logs kept: {', '.join(kept)}")
         self._say("stopped" + (" (local Ray cluster shut down)" if self._owns_ray else ""))
+
+    def _remove_kv_storage(self, gone: list[str], stuck: list[str]) -> None:
+        """ExampleConnector's KV folder as this host sees it (each node's
+        supervisor removed its own; this covers a folder this host shares
+        with a node whose supervisor is `gone`), and a warning naming the
+        nodes where it may remain (`stuck`: the supervisor could not remove
+        it)."""
+        assert self._kv_storage is not None
+        path = self._kv_storage
+        here = os.path.isdir(path) and not os.path.islink(path)
+        if here:
+            shutil.rmtree(path, ignore_errors=True)
+            parent = os.path.dirname(path)
+            if os.path.basename(parent) == f"vllm-patch-launch-{self.id}":
+                try:
+                    os.rmdir(parent)  # only when empty
+                except OSError:
+                    pass
+        if os.path.exists(path):
+            self._say(f"could not remove the KV cache folder {path} on this host: "
+                      "remove it by hand", logging.WARNING)
+        elif stuck:
+            self._say(f"could not remove the KV cache folder {path} on node(s) "
+                      f"{', '.join(sorted(set(stuck)))}: remove it there by hand",
+                      logging.WARNING)
+        if gone:
+            self._say(f"the KV cache folder {path} may remain on node(s) "
+                      f"{', '.join(sorted(set(gone)))}, whose supervisor was gone at the "
+                      "stop" + (" (removed on this host, so there too if the folder "
+                                "is shared)" if here else "")
+                      + ": remove it there if it does", logging.WARNING)
 
     def _remove_local_folder(self) -> None:
         """This host's deployment folder, when supervisors that died could

@@ -26,7 +26,13 @@ Lifecycle guarantees:
   restarted again;
 - logs go to one folder per deployment on each node: the `log_dir` given, or
   `<temp dir>/vllm-patch-launch-<deployment id>`, which `cleanup()` removes
-  unless the deployment failed (no empty folder is left either way).
+  unless the deployment failed (no empty folder is left either way);
+- ExampleConnector's KV files go to a folder of this deployment's own
+  (`kv_folder()`), which `prepare()` creates on the node and `cleanup()`
+  removes, always, and nothing outside it: with a `shared_storage_path` the
+  user gives, `<that path>/vllm-patch-<deployment id>`. A path shared by the
+  nodes (NFS) is created by the first supervisor and removed by the first
+  to clean up; a path local to each node is created and removed on each.
 """
 
 from __future__ import annotations
@@ -163,6 +169,14 @@ def ipc_folder(deployment_dir: Path, deployment_id: str) -> Path:
     return Path("/tmp") / f"vllm-patch-ipc-{deployment_id}"
 
 
+def kv_folder(user_path: str, deployment_id: str) -> str:
+    """The deployment's own KV folder inside a `shared_storage_path` the
+    user gave (ExampleConnector): `<path>/vllm-patch-<deployment id>`, the
+    path made absolute as the launcher sees it."""
+    return os.path.join(os.path.abspath(os.path.expanduser(user_path)),
+                        f"vllm-patch-{deployment_id}")
+
+
 def port_free(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -243,6 +257,9 @@ class InstanceSupervisor:
         self.user_log_dir = log_dir is not None
         self.log_dir = Path(log_dir).expanduser() if log_dir else self.tmp_dir
         self.health_timeout_s = health_timeout_s
+        self.deployment_id = deployment_id
+        # ExampleConnector's KV folder on this node, once prepare() made it
+        self.kv_dir: Path | None = None
         self.cmd: list[str] = []
         self.env: dict[str, str] = {}
         self.host = node_ip()
@@ -281,9 +298,12 @@ class InstanceSupervisor:
                 "memory": node_memory(cpus[0]),
                 "kvcache_env": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")}
 
-    def prepare(self, model: str, port: int | None, env: dict[str, str]) -> dict[str, Any]:
-        """Checks that need the node; returns the ports to use. Raises
-        LaunchError with the node's address in the message."""
+    def prepare(self, model: str, port: int | None, env: dict[str, str],
+                kv_dir: str | None = None) -> dict[str, Any]:
+        """Checks that need the node; creates the deployment's folders there
+        (`kv_dir`: ExampleConnector's KV folder, see kv_folder()); returns
+        the ports to use. Raises LaunchError with the node's address in the
+        message."""
         where = f"{self.name} on node {self.host}"
         for mod in ("vllm", "vllm_patch"):
             if importlib.util.find_spec(mod) is None:
@@ -300,11 +320,63 @@ class InstanceSupervisor:
                 d.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise LaunchError(f"{where}: cannot create folder {d}: {e}") from None
+        if kv_dir is not None:
+            self._make_kv_dir(Path(kv_dir), where)
         if port is None:
             port = free_port(self.host)
         elif not port_free(self.host, port):
             raise LaunchError(f"{where}: port {port} is already in use")
         return {"port": port, "side_channel_port": free_port(self.host)}
+
+    def _make_kv_dir(self, kv_dir: Path, where: str) -> None:
+        """The KV folder, in a parent folder that must exist: the user's
+        shared_storage_path (never created here: across nodes it is meant
+        to be a shared mount), or the deployment's own temp folder."""
+        parent = kv_dir.parent
+        if self._deployment_folder(parent):
+            # the launcher's default: in the deployment's folder of the
+            # prefill node, the same path on every node of one host
+            try:
+                parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise LaunchError(f"{where}: cannot create folder {parent}: {e}") from None
+            what = "the deployment's folder"
+        else:
+            what = "shared_storage_path (kv_connector_extra_config)"
+        if not parent.is_dir():
+            reason = "is not a folder" if parent.exists() else "does not exist"
+            raise LaunchError(f"{where}: {what} {parent} {reason} on this node (the KV "
+                              "cache files go there: create it, shared by the nodes "
+                              "when prefill and decode run on different hosts)")
+        try:
+            kv_dir.mkdir(exist_ok=True)  # exists: made by a node sharing the folder
+        except OSError as e:
+            raise LaunchError(f"{where}: {what} {parent} is not writable on this node "
+                              f"(cannot create {kv_dir.name} in it: "
+                              f"{e.strerror or e})") from None
+        if not os.access(kv_dir, os.W_OK | os.X_OK):
+            raise LaunchError(f"{where}: {what} {parent} is not writable on this node "
+                              f"({kv_dir} cannot be written)")
+        self.kv_dir = kv_dir
+
+    def _deployment_folder(self, d: Path) -> bool:
+        """Is `d` this deployment's temp folder (of this node or, same name,
+        of another)?"""
+        return d == self.tmp_dir or bool(
+            self.deployment_id and d.name == f"vllm-patch-launch-{self.deployment_id}")
+
+    def _own_kv_dir(self) -> Path | None:
+        """The KV folder, if it is one this deployment may remove: in a
+        deployment folder, or named for this deployment (never the user's
+        path itself)."""
+        d = self.kv_dir
+        if d is None or d.is_symlink():
+            return None
+        if self._deployment_folder(d.parent):
+            return d
+        if self.deployment_id and d.name == f"vllm-patch-{self.deployment_id}":
+            return d
+        return None
 
     # ---- running ------------------------------------------------------
     def start(self, cmd: list[str], env: dict[str, str], port: int) -> dict[str, Any]:
@@ -448,17 +520,28 @@ class InstanceSupervisor:
         self.state = "stopped"
         return self.status(check_health=False)
 
-    def cleanup(self, keep_logs: bool, remove: list[str] = ()) -> str | None:
-        """After stop(): remove `remove` (paths inside this deployment's
-        folders only, e.g. the KV storage the launcher chose), this
-        instance's log unless it is kept, and the deployment's folders on
-        this node once empty (the last instance there removes them).
-        Returns the log's path if it is kept."""
-        mine = (self.tmp_dir, self.log_dir)
-        for path in remove:
-            p = Path(path)
-            if any(p.is_relative_to(d) and p != d for d in mine):
-                shutil.rmtree(p, ignore_errors=True)
+    def cleanup(self, keep_logs: bool) -> dict[str, Any]:
+        """After stop(): remove the KV folder (always: whichever supervisor
+        of a node, or of the nodes sharing it, comes first), this instance's
+        log unless it is kept, and the deployment's folders on this node
+        once empty (the last instance there removes them). Returns
+        {"log": the log's path if it is kept, "kv_dir": the KV folder if it
+        could not be removed}."""
+        kv_left = None
+        kv = self._own_kv_dir()
+        if kv is not None:
+            for _ in range(10):  # NFS: a file still being closed comes back
+                shutil.rmtree(kv, ignore_errors=True)
+                if not kv.exists():
+                    break
+                time.sleep(0.3)
+            else:
+                kv_left = str(kv)
+            if kv.parent != self.tmp_dir and self._deployment_folder(kv.parent):
+                try:
+                    kv.parent.rmdir()  # another node's folder name, made for it
+                except OSError:
+                    pass
         # vLLM's IPC sockets (VLLM_RPC_BASE_PATH points here), which a
         # server that failed leaves behind
         for d in {self.tmp_dir, self.ipc_dir}:
@@ -479,4 +562,4 @@ class InstanceSupervisor:
                 d.rmdir()  # only when empty
             except OSError:
                 pass
-        return str(log) if keep and log.exists() else None
+        return {"log": str(log) if keep and log.exists() else None, "kv_dir": kv_left}

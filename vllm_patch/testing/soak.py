@@ -619,6 +619,8 @@ class Launched(Target):
         if a.connector == "NixlConnector":
             extra = json.dumps({"kv_lease_duration": 300})
         else:
+            # the launcher keeps its KV files in a subfolder of this one
+            (log_dir / "kv").mkdir(parents=True, exist_ok=True)
             extra = json.dumps({"shared_storage_path": str(log_dir / "kv")})
         self.cmd = [sys.executable, "-m", "vllm_patch.cli", "launch",
                     "--model", str(build_target()), "--served-model-name", MODEL,
