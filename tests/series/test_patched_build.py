@@ -44,7 +44,8 @@ STOCK_FAILS = {
 }
 
 # Which patches of the 0.32.0 series apply (git apply --check, in order) to
-# vLLM 0.33.0's source distribution: all three, at other line offsets.
+# vLLM 0.33.0's source distribution: all three, at other line offsets
+# (patches/vllm-0.33.0/ is the same series regenerated against 0.33.0).
 APPLY_TO_033 = {
     "0001-Bugfix-CPU-apply_top_k_only-accept-a-batch-with-no-r.patch": True,
     "0002-Bugfix-CPU-Spec-Decode-expand-kernel-write-into-non-.patch": True,
@@ -192,23 +193,70 @@ def test_status_reads_native_with_the_plugin_installed(env):
     assert not series_env.has_plugin(env)  # removed again
 
 
-def test_series_applies_to_its_release_sources():
-    report = series_env.apply_report(VERSION, VERSION)
-    assert report and all(err == "" for err in report.values()), report
+SERIES_VERSIONS = sorted(v for v in series.DISTRIBUTIONS
+                         if series.series_dir(v).is_dir())
 
 
-def test_which_patches_apply_to_033_sources():
+def test_every_release_has_a_series():
+    assert SERIES_VERSIONS == ["0.32.0", "0.33.0"]
+
+
+@pytest.mark.parametrize("version", SERIES_VERSIONS)
+def test_series_applies_to_its_release_sources(version):
+    report = series_env.apply_report(version, version)
+    assert len(report) == 3 and all(err == "" for err in report.values()), report
+
+
+@pytest.mark.parametrize("version", SERIES_VERSIONS)
+def test_series_applies_to_the_released_wheel(version, tmp_path):
+    """What build-vllm patches: the released wheel's own Python files (they
+    can differ from the source distribution's)."""
+    import zipfile
+
+    patches = series.read_series(version)
+    try:
+        wheel = series.find_wheel(version)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the released vLLM {version} wheel cannot be fetched: {exc}")
+    with zipfile.ZipFile(wheel) as zin:
+        for f in {f for sp in patches for f in sp.files if f.startswith("vllm/")}:
+            if f in zin.NameToInfo:
+                zin.extract(f, tmp_path)
+    series.apply_series(patches, tmp_path)  # raises naming the patch and file
+    for sp in patches:
+        for f in sp.files:
+            if f.startswith("vllm/_patch_series_"):
+                assert (tmp_path / f).is_file()
+
+
+def test_which_032_patches_apply_to_033_sources():
     report = series_env.apply_report(VERSION, "0.33.0")
     assert {name: err == "" for name, err in report.items()} == APPLY_TO_033, report
-    if series.series_dir("0.33.0").is_dir():
-        own = series_env.apply_report("0.33.0", "0.33.0")
-        assert own and all(err == "" for err in own.values()), own
+
+
+def test_033_series_is_the_032_series_at_other_lines():
+    """One series, two trees: the same patches, messages and changes; only
+    line numbers, blob ids and the commit id differ."""
+    def body(path: Path) -> list[str]:
+        return [ln for ln in path.read_text().splitlines()
+                if not ln.startswith(("From ", "index ", "@@ "))
+                and ln.strip()]
+    old = {p.name: p for p in series.series_dir(VERSION).glob("*.patch")}
+    new = {p.name: p for p in series.series_dir("0.33.0").glob("*.patch")}
+    assert old.keys() == new.keys()
+    for name in old:
+        assert body(old[name]) == body(new[name]), name
+
+
+@pytest.mark.parametrize("version", SERIES_VERSIONS)
+def test_drift_check_in_step(version):
+    cmd = [sys.executable, "-m", "vllm_patch.series", "--vllm", version]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
 
 
 def test_drift_check_fails_when_a_patch_and_the_plugin_disagree(tmp_path):
     cmd = [sys.executable, "-m", "vllm_patch.series", "--vllm", VERSION]
-    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
     # A copy of the series whose first patch records another fingerprint.
     shutil.copytree(series.series_dir(VERSION), tmp_path / f"vllm-{VERSION}")
     first = sorted((tmp_path / f"vllm-{VERSION}").glob("*.patch"))[0]
