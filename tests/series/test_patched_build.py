@@ -164,13 +164,12 @@ def test_status_reads_native_with_the_plugin_installed(env):
                              text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         data = json.loads(res.stdout)
-        text = subprocess.run([str(env / "bin" / "vllm-patch"), "status"],
-                              env=run_env, capture_output=True, text=True,
-                              timeout=300)
-        # register() as vLLM's plugin loader calls it, then each target.
+        # The text table, then (same process: register() has run, as vLLM's
+        # plugin loader runs it) each fix's target in vLLM.
         check = _py(env, (
             "import json, vllm_patch\n"
-            "from vllm_patch import patching\n"
+            "from vllm_patch import cli, patching\n"
+            "cli.main(['status'])\n"
             "vllm_patch.register()\n"
             "out = {}\n"
             f"for pid in {sorted(replaces)!r}:\n"
@@ -179,15 +178,16 @@ def test_status_reads_native_with_the_plugin_installed(env):
             "    out[pid] = [patching.REGISTRY.outcomes[pid].state.value,\n"
             "                getattr(obj, patching.NAME_ATTR, None)]\n"
             "print(json.dumps(out))\n"))
-    assert data["vllm"] == LOCAL
+    assert check.returncode == 0, check.stderr[-3000:]
+    lines = check.stdout.strip().splitlines()
+    text, got = "\n".join(lines[:-1]), json.loads(lines[-1])
+    assert data["vllm"] == LOCAL and f"on vLLM {LOCAL}" in lines[0]
     states = {p["name"]: p for p in data["other_patches"]}
     for pid, marker in replaces.items():
         assert states[pid]["state"] == patching.State.NATIVE.value, states[pid]
         assert states[pid]["detail"] == marker.removeprefix("_patch_series_")
-        assert f"[package] {pid}: {patching.State.NATIVE.value}" in text.stdout
-    assert text.stdout.count(patching.State.NATIVE.value) == len(replaces)
-    assert check.returncode == 0, check.stderr[-3000:]
-    got = json.loads(check.stdout.strip().splitlines()[-1])
+        assert f"[package] {pid}: {patching.State.NATIVE.value}" in text
+    assert text.count(patching.State.NATIVE.value) == len(replaces)
     # Native, and the build's own function is in place (no plugin wrapper).
     assert got == {pid: [patching.State.NATIVE.value, None] for pid in replaces}
     assert not series_env.has_plugin(env)  # removed again
@@ -250,9 +250,7 @@ def test_033_series_is_the_032_series_at_other_lines():
 
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
 def test_drift_check_in_step(version):
-    cmd = [sys.executable, "-m", "vllm_patch.series", "--vllm", version]
-    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert series.drift(version) == []
 
 
 def test_drift_check_fails_when_a_patch_and_the_plugin_disagree(tmp_path):
