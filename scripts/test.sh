@@ -84,8 +84,11 @@ markers_for() {  # markers_for VERSION -> prints the expression ("" = nothing to
     t="${t//,/ }"
     for x in $t; do
       if [ "$x" = series ]; then
-        [ "$1" = 0.32 ] || echo "note: the series tier runs on vLLM 0.32 only (the CPU build)" >&2
-        [ "$1" = 0.32 ] && [ "$want_mode" = stock ] && echo "note: the series tier runs with the patched runs only (it checks the release itself)" >&2
+        if [ "$want_mode" = stock ]; then
+          echo "note: the series tier runs with the patched runs only (it checks the release itself)" >&2
+        elif [ "$1" != 0.32 ]; then
+          echo "note: the series tier runs on vLLM 0.32 only (the CPU build)" >&2
+        fi
         continue
       fi
       if [[ " $supported " == *" $x "* ]]; then out+=("$x")
