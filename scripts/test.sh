@@ -14,7 +14,8 @@ vLLM 0.33.0 (its Python package on PYTHONPATH; its CUDA build cannot run on a
 CPU, so only the tiers that need no engine run there), each twice: patched,
 and stock (VLLM_PATCH_DISABLE=1), where every guarantee test must observe the
 failure the patch removes. With no option it runs everything, as CI does
-(about 50 minutes on 2 cores).
+(about 50 minutes on 2 cores; the series tier about 2 more, 4 on the first
+run, which copies the venv).
 
   --vllm V        only vLLM V (0.32 or 0.33); default: both
   --mode M        only M (patched or stock); default: both
@@ -25,6 +26,10 @@ failure the patch removes. With no option it runs everything, as CI does
                     e2e        a real vLLM engine on the CPU with the tiny local
                                model, real P/D pairs (ExampleConnector, NIXL) (0.32)
                     launch     the Ray launcher on a real local Ray cluster (0.32)
+                    series     the patched vLLM build (vllm-patch build-vllm) installed
+                               into its own environment without the plugin, with the
+                               tests the patch series adds to vLLM (0.32; runs once,
+                               with the patched runs: it checks both builds itself)
   --no-setup      skip scripts/setup.sh (the venv and the 0.33 tree must exist)
   -h, --help      this text
 
@@ -58,8 +63,17 @@ if [ -n "$want_tiers" ] && [ -n "$user_markers" ]; then
   echo "--tier and -m both select tests: give one of them" >&2; exit 2
 fi
 for t in ${want_tiers//,/ }; do
-  case "$t" in unit|scheduler|e2e|launch) ;; *) echo "--tier: unknown tier '$t' (unit, scheduler, e2e, launch)" >&2; exit 2 ;; esac
+  case "$t" in unit|scheduler|e2e|launch|series) ;; *) echo "--tier: unknown tier '$t' (unit, scheduler, e2e, launch, series)" >&2; exit 2 ;; esac
 done
+
+# The series tier runs once (on 0.32, beside the patched run): its tests
+# install the patched build and check it and the release themselves.
+want_series() {  # succeeds when the series tier is selected
+  [ -z "$user_markers" ] || return 1
+  [ -z "$want_vllm" ] || [ "$want_vllm" = 0.32 ] || return 1
+  [ -z "$want_mode" ] || [ "$want_mode" = patched ] || return 1
+  [ -z "$want_tiers" ] || [[ ",$want_tiers," == *",series,"* ]]
+}
 
 # The marker expression of one version's runs.
 markers_for() {  # markers_for VERSION -> prints the expression ("" = nothing to run)
@@ -69,6 +83,14 @@ markers_for() {  # markers_for VERSION -> prints the expression ("" = nothing to
   for t in ${want_tiers:-$supported}; do
     t="${t//,/ }"
     for x in $t; do
+      if [ "$x" = series ]; then
+        if [ "$want_mode" = stock ]; then
+          echo "note: the series tier runs with the patched runs only (it checks the release itself)" >&2
+        elif [ "$1" != 0.32 ]; then
+          echo "note: the series tier runs on vLLM 0.32 only (the CPU build)" >&2
+        fi
+        continue
+      fi
       if [[ " $supported " == *" $x "* ]]; then out+=("$x")
       else echo "note: the $x tier does not run on vLLM $1 here (no engine for it on the CPU)" >&2; fi
     done
@@ -81,6 +103,7 @@ for version in 0.32 0.33; do
   [ -n "$want_vllm" ] && [ "$want_vllm" != "$version" ] && continue
   [ -n "$(markers_for "$version" 2>/dev/null)" ] && selected=1
 done
+want_series && selected=1
 [ "$selected" = 1 ] || { markers_for "${want_vllm:-0.33}" >/dev/null; echo "nothing to run" >&2; exit 2; }
 
 if [ "$setup" = 1 ]; then
@@ -100,7 +123,7 @@ run() {  # run LABEL MARKERS [ENV=VALUE ...]
   local label="$1" markers="$2"; shift 2
   local start=$SECONDS rc verbosity=-q
   # Slow tiers print one line per test, so a long run shows where it is.
-  case "$markers" in *e2e*|*launch*) verbosity=-v ;; esac
+  case "$markers" in *e2e*|*launch*|series) verbosity=-v ;; esac
   printf '\n===== %s (-m "%s") =====\n' "$label" "$markers"
   env "$@" timeout -k 30 2400 "$py" -m pytest "$verbosity" -m "$markers" \
     --durations=10 --junitxml="$out/$label.xml" "${PYTEST_ARGS[@]}"
@@ -126,6 +149,9 @@ for version in 0.32 0.33; do
     fi
   done
 done
+if want_series; then
+  run v032-series series
+fi
 
 "$py" - "$out" <<'PY'
 import glob, os, sys, xml.etree.ElementTree as ET

