@@ -90,7 +90,11 @@ def fake_instance(role: str, seen: list):
             return web.Response(status=400, body=BAD, content_type="application/json")
         return web.json_response({"tokens": [1, 2], "count": 2, "max_model_len": 512})
 
+    async def health(request):
+        return web.Response(status=200)
+
     app = web.Application()
+    app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/version", version)
@@ -228,6 +232,40 @@ def test_no_decode_instance_reachable_is_502():
             assert _openai_error(r, 502)["type"] == "BadGatewayError", path
     finally:
         router.stop()
+
+
+def test_health_and_metrics_do_not_wait_on_an_instance_that_never_answers(stack):
+    """A prefill node cut off: its socket takes the connection and never
+    answers. /health says so (503, that instance 599, the live one 200)
+    within a client's usual 10 s, and /metrics does not wait for it either
+    (each instance had 10 s, and a client gave up first)."""
+    import socket
+    import time
+
+    import requests
+
+    from vllm_patch.launch import router as rt
+    from vllm_patch.launch.router import ProxyThread
+
+    _, decode = stack[0].instances
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(16)  # connections complete in the kernel; nothing answers
+    cut = f"http://127.0.0.1:{mute.getsockname()[1]}"
+    router = ProxyThread([cut], [decode])
+    try:
+        t0 = time.monotonic()
+        r = requests.get(router.url + "/health", timeout=10)
+        took = time.monotonic() - t0
+        assert r.status_code == 503 and r.json() == {cut: 599, decode: 200}
+        assert took < rt.HEALTH_TIMEOUT_S + 2, took
+        t0 = time.monotonic()
+        r = requests.get(router.url + "/metrics", timeout=10)
+        assert r.status_code == 200
+        assert time.monotonic() - t0 < rt.METRICS_TIMEOUT_S + 2
+    finally:
+        router.stop()
+        mute.close()
 
 
 def test_openai_client_models(stack):

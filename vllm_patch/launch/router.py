@@ -19,8 +19,11 @@ Flow per POST /v1/completions or /v1/chat/completions:
    instance returned (if any); streaming is passed through chunk by chunk.
    A client disconnect closes the decode connection, so vLLM aborts there.
 
-GET /health: 200 when both instances answer /health with 200.
-GET /metrics: the instances' metrics, each line labelled pd_role="prefill|decode".
+GET /health: 200 when every instance answers /health with 200 within
+HEALTH_TIMEOUT_S; else 503; the body maps each instance to its status (599:
+no answer).
+GET /metrics: the instances' metrics, each line labelled pd_role="prefill|decode"
+(an instance that does not answer within METRICS_TIMEOUT_S is left out).
 
 The read-only endpoints of vLLM's OpenAI server are forwarded to a decode
 instance (round robin; the next one if an instance cannot be reached) and
@@ -72,6 +75,10 @@ _FORWARD_HEADERS = ("authorization", "x-request-id")
 READ_ONLY = (("GET", "/v1/models"), ("GET", "/version"), ("POST", "/tokenize"),
              ("POST", "/detokenize"), ("GET", "/tokenizer_info"))
 READ_TIMEOUT_S = 60.0
+# An instance's /health answers in milliseconds; one that does not answer
+# in this long is down or cut off.
+HEALTH_TIMEOUT_S = 3.0
+METRICS_TIMEOUT_S = 5.0
 # request key: the streamed response, once started
 _STREAMING = (web.RequestKey("pd_streaming", web.StreamResponse)
               if hasattr(web, "RequestKey") else "pd_streaming")  # aiohttp < 3.13
@@ -291,28 +298,36 @@ class Router:
         return error_response(404, f"The model `{name}` does not exist.",
                               type_="NotFoundError", param="model")
 
-    async def _get(self, url: str) -> tuple[int, str]:
+    async def _get(self, url: str, timeout_s: float) -> tuple[int, str]:
         assert self.session is not None
         try:
-            async with self.session.get(url, timeout=ClientTimeout(total=10)) as r:
+            async with self.session.get(url, timeout=ClientTimeout(total=timeout_s)) as r:
                 return r.status, await r.text()
         except (OSError, asyncio.TimeoutError) as e:
-            return 599, str(e)
+            return 599, str(e) or f"no answer within {timeout_s:g} s"
 
     async def health(self, request: web.Request) -> web.Response:
+        """Every instance asked at once, each given HEALTH_TIMEOUT_S: an
+        instance that does not answer (a node cut off) reads 599, and the
+        router answers 503 well within a client's usual 10 s."""
         urls = self.prefill + self.decode
-        res = await asyncio.gather(*(self._get(u + "/health") for u in urls))
+        res = await asyncio.gather(*(self._get(u + "/health", HEALTH_TIMEOUT_S)
+                                     for u in urls))
         ok = all(s == 200 for s, _ in res)
         return web.json_response({u: s for u, (s, _) in zip(urls, res)},
                                  status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        parts = []
-        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
-            for i, u in enumerate(urls):
-                s, text = await self._get(u + "/metrics")
-                if s == 200:
-                    parts.append(label_metrics(text, role, i))
+        """Every instance's metrics, labelled with its role and index, asked
+        at once (METRICS_TIMEOUT_S each: within a Prometheus scrape's
+        default 10 s even when an instance does not answer)."""
+        which = [(role, i, u) for role, urls in (("prefill", self.prefill),
+                                                  ("decode", self.decode))
+                 for i, u in enumerate(urls)]
+        res = await asyncio.gather(*(self._get(u + "/metrics", METRICS_TIMEOUT_S)
+                                     for _, _, u in which))
+        parts = [label_metrics(text, role, i)
+                 for (role, i, _), (s, text) in zip(which, res) if s == 200]
         return web.Response(text="\n".join(parts), content_type="text/plain")
 
 
