@@ -195,6 +195,9 @@ def test_example_connector_across_namespaces(cluster):
     reqs = _requests(8, offset=12)
     t0 = time.monotonic()
     outs = _batch(client, reqs, during=partition)
+    # /health tells the truth throughout: an answer (never a client
+    # timeout), and not 200 while the decode node is cut off
+    assert report["router_health_during_partition"] == [503], report
     report["partition"] = {"wall_s": round(time.monotonic() - t0, 1),
                            "ok": sum(o["error"] is None for o in outs),
                            "errors": sorted({o["error"] for o in outs if o["error"]}),
