@@ -75,6 +75,16 @@ def ask(url: str) -> dict:
     return r.json()
 
 
+def wait_ready(proc: subprocess.Popen, ready: Path, timeout_s: float) -> dict:
+    """The launch's ready file, once written (the launcher still running)."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    return json.loads(ready.read_text())
+
+
 def test_placement_routing_teardown(ray_cluster, node_of_resource):
     lines: list[str] = []
     with Deployment(config(decode={"node_resource": "decode_node", "count": 2}),
@@ -373,12 +383,7 @@ def test_cli_launch_and_sigint(ray_cluster, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # `cmd &`
     try:
-        deadline = time.monotonic() + 90
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        info = json.loads(ready.read_text())
+        info = wait_ready(proc, ready, 90)
         assert ask(info["url"])["served_by"]["role"] == "decode"
         pgids = [i["pid"] for i in info["instances"]]
         pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) in pgids]
@@ -417,12 +422,7 @@ def test_cli_kv_folder_in_a_users_path_goes_at_sigint(ray_cluster, tmp_path):
          "--", "--kv-cache-memory-bytes", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        info = json.loads(ready.read_text())
+        info = wait_ready(proc, ready, 90)
         ask(info["url"])
         own = [p for p in user.iterdir() if p.name.startswith("vllm-patch-")]
         assert len(own) == 1 and own[0].is_dir(), own
@@ -544,12 +544,7 @@ def test_cli_long_tmpdir_local_ray(tmp_path):
         [str(exe), "launch", "--config", str(cfg), "--port", "0", "--ready-file",
          str(ready)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
-        info = json.loads(ready.read_text())
+        info = wait_ready(proc, ready, 120)
         assert ask(info["url"])["served_by"]["role"] == "decode"
         # vLLM's socket folder: short enough for its <uuid4> socket names
         server_env = dict(e.split("=", 1) for e in Path(
