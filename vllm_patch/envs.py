@@ -91,6 +91,11 @@ class Settings:
     # draft positions on an accelerator, in microseconds (no GPU here to
     # measure it on; 0 on the CPU, where there is nothing to wait for).
     draft_sync_us: float
+    # Speculative verification rows (the scheduler's bitmask for each
+    # draft) filled on vLLM's fill threads, request chunks side by side,
+    # where the backend releases the GIL and the batch is large. On by
+    # default.
+    parallel_verify: bool
 
 
 ENV_VARS: dict[str, str] = {
@@ -143,6 +148,11 @@ ENV_VARS: dict[str, str] = {
         "the cost model's price of one device-to-host synchronisation "
         "between two draft positions on a GPU, in microseconds (default 30)"
     ),
+    "VLLM_PATCH_PARALLEL_VERIFY": (
+        "0 fills the speculative verification rows on the engine thread "
+        "alone, as stock does (default: on vLLM's fill threads for large "
+        "xgrammar batches)"
+    ),
 }
 
 
@@ -165,4 +175,5 @@ def settings() -> Settings:
         masked_drafts=_flag("VLLM_PATCH_MASKED_DRAFTS", True),
         draft_cost_model=_flag("VLLM_PATCH_DRAFT_COST_MODEL", True),
         draft_sync_us=_number("VLLM_PATCH_DRAFT_SYNC_US", 30.0),
+        parallel_verify=_flag("VLLM_PATCH_PARALLEL_VERIFY", True),
     )

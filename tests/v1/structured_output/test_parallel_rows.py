@@ -1,0 +1,178 @@
+"""Speculative verification rows on vLLM's fill threads (scheduler tier).
+
+The real Scheduler and xgrammar grammars, a batch large enough for vLLM to
+create its fill pool (`max_num_seqs` > 128) and for the walk to be threaded
+(MIN_ROWS rows): requests whose drafts end the grammar, hit an invalid
+token, or are all valid, sync and async (-1 padding). Patched: the step's
+bitmask is built on the pool's threads and equals, row for row, the serial
+walk of the same step. Stock (VLLM_PATCH_DISABLE=1): vLLM never uses the
+pool when there are drafts: every row is filled on the engine thread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.scheduler
+
+REGEXES = ("ab", "abc", "abcab", "(ab)+c", "a(b|c)+", "[abc]{2,6}")
+
+
+def _spy_pool(manager):
+    """Count the tasks submitted to vLLM's fill pool."""
+    pool = manager.executor_for_fillmask
+    calls = []
+    submit = pool.submit
+
+    def counted(*a, **kw):
+        calls.append(a)
+        return submit(*a, **kw)
+
+    pool.submit = counted
+    return calls
+
+
+def _batch(h, n):
+    a, b, c, x = (h.tok(t) for t in "abcx")
+    rids = [h.add_request(regex=REGEXES[i % len(REGEXES)], ignore_eos=i % 2 == 0)
+            for i in range(n)]
+    for rid in rids:
+        h.wait_for_grammar(rid)
+    # Drafts: all valid, one invalid token, and a grammar end (EOS) inside.
+    from vllm_patch.testing.harness import EOS
+    shapes = ([b, c, a], [b, x, c], [b, EOS, c], [c, b, b], [b, c, c])
+    drafts = {rid: list(shapes[i % len(shapes)]) for i, rid in enumerate(rids)}
+    return rids, drafts, a
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_threaded_rows_equal_serial_rows(patched, async_, monkeypatch):
+    from vllm_patch.testing.harness import Harness
+    from vllm_patch.v1.structured_output import parallel_rows
+
+    h = Harness("xgrammar", num_spec_tokens=3, async_scheduling=async_,
+                max_num_seqs=192, num_blocks=512, max_num_batched_tokens=4096)
+    manager = h.scheduler.structured_output_manager
+    assert manager.executor_for_fillmask is not None  # vLLM made its pool
+
+    class Always(parallel_rows.Choice):
+        def threaded(self) -> bool:
+            return True
+
+    setattr(manager, parallel_rows._CHOICE_ATTR, Always())
+    rids, drafts, a = _batch(h, 64)
+    if async_:
+        h.launch()
+        h.launch(drafts=drafts)
+        h.finish_oldest({r: [a] for r in rids})
+    else:
+        h.step({r: [a] for r in rids}, drafts=drafts)
+    so = h.schedule()
+    spec = so.scheduled_spec_decode_tokens
+    assert sum(1 + len(spec.get(r, ())) for r in rids) >= parallel_rows.MIN_ROWS
+    if async_:
+        assert any(-1 in t for t in spec.values())  # padding after invalid drafts
+    ids = [r for r in rids if r in so.num_scheduled_tokens]
+
+    calls = _spy_pool(manager)
+    threaded = np.array(manager.grammar_bitmask(h.requests, ids, spec))
+    used = len(calls)
+    monkeypatch.setenv("VLLM_PATCH_PARALLEL_VERIFY", "0")
+    calls.clear()
+    serial = np.array(manager.grammar_bitmask(h.requests, ids, spec))
+    assert not calls
+    monkeypatch.delenv("VLLM_PATCH_PARALLEL_VERIFY")
+    assert threaded.shape == serial.shape
+    assert (threaded == serial).all()  # same rows, row for row
+    # Every grammar is back where it was: the same walk once more is equal.
+    again = np.array(manager.grammar_bitmask(h.requests, ids, spec))
+    assert (again == serial).all()
+    if patched:
+        assert used >= 1  # the pool walked chunks beside the engine thread
+    else:
+        assert used == 0  # stock: with drafts, never on the pool
+
+
+@pytest.mark.patched_only
+def test_choice_measures_serial_first_then_keeps_the_cheaper():
+    from vllm_patch.v1.structured_output.parallel_rows import PROBE_EVERY, Choice
+
+    c = Choice()
+    modes = []
+    for _ in range(6):
+        t = c.threaded()
+        modes.append(t)
+        c.record(t, 1000 if t else 3000, 10)  # threads 3x cheaper per row
+    # Serial three times (the first not kept), then threaded three times.
+    assert modes == [False, False, False, True, True, True]
+    assert all(c.threaded() for _ in range(PROBE_EVERY - 8))
+    # A probe of the other mode every PROBE_EVERY steps.
+    seen = [c.threaded() for _ in range(PROBE_EVERY)]
+    assert seen.count(False) == 1
+
+
+@pytest.mark.patched_only
+def test_choice_stays_serial_where_threads_lose():
+    from vllm_patch.v1.structured_output.parallel_rows import Choice
+
+    c = Choice()
+    for _ in range(8):
+        t = c.threaded()
+        c.record(t, 1300 if t else 1000, 10)  # threads dearer (GIL-bound)
+    assert [c.threaded() for _ in range(20)] == [False] * 20
+
+
+@pytest.mark.patched_only
+def test_plan_and_gates():
+    from types import SimpleNamespace
+
+    from vllm_patch.v1.structured_output import parallel_rows as pr
+
+    assert pr.plan([4] * 10) == [(0, 10)]  # under MIN_ROWS: serial
+    ranges = pr.plan([5] * 64)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 64
+    assert all(lo < hi for lo, hi in ranges)
+    assert all(r[1] == n[0] for r, n in zip(ranges, ranges[1:]))  # contiguous
+    assert len(ranges) > 2
+    guidance = SimpleNamespace(backend=type("GuidanceBackend", (), {})(),
+                               executor_for_fillmask=SimpleNamespace(_max_workers=4))
+    assert not pr.wanted(guidance, ["a", "b"])  # its fill holds the GIL
+    no_pool = SimpleNamespace(backend=type("XgrammarBackend", (), {})())
+    assert pr.lanes(no_pool) == 1 and not pr.wanted(no_pool, ["a", "b"])
+
+
+@pytest.mark.patched_only
+def test_an_error_in_a_chunk_is_raised_after_every_chunk_ended():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_patch.v1.structured_output import parallel_rows as pr
+
+    class Always(pr.Choice):
+        def threaded(self) -> bool:
+            return True
+
+    ended, lock = [], threading.Lock()
+
+    def walk_serial(view, requests, ids, spec):
+        if "r0" in ids:
+            raise RuntimeError("grammar failed")
+        with lock:
+            ended.extend(ids)
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    m = SimpleNamespace(backend=type("XgrammarBackend", (), {})(),
+                        executor_for_fillmask=pool,
+                        _grammar_bitmask=torch.zeros(1024, 4, dtype=torch.int32),
+                        vllm_config=SimpleNamespace(num_speculative_tokens=4))
+    setattr(m, pr._CHOICE_ATTR, Always())
+    ids = [f"r{i}" for i in range(100)]
+    spec = {r: [1, 2, 3, 4] for r in ids}
+    with pytest.raises(RuntimeError, match="grammar failed"):
+        pr.walk(m, walk_serial, {}, ids, spec, None)
+    pool.shutdown(wait=True)
+    assert not [r for r in ended if r == "r0"]

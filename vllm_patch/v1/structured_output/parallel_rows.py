@@ -1,0 +1,233 @@
+"""Speculative verification rows filled on several threads.
+
+With speculative decoding, stock `StructuredOutputManager.grammar_bitmask`
+fills every structured request's rows one by one on the engine thread: for
+each draft, fill the row, accept the draft, and one more row for the bonus
+token, then roll the grammar back. That is B x (k + 1) fills per step (1,280
+at B=256, k=4), about 57 ms with a 131k vocabulary and xgrammar, while the
+GPU's forward pass, which the fill overlaps, takes 10-30 ms. vLLM already
+fills on a thread pool (`executor_for_fillmask`: half the cores, at most 8)
+but only without drafts, because the walk accepts and rolls back between
+fills.
+
+Each request's walk is independent of the others' (its own grammar, its own
+rows), so the batch splits into contiguous chunks of about CHUNK_ROWS rows,
+which the engine thread and vLLM's fill threads take one after another, and
+each chunk is walked by the stock method itself, on a shallow copy of the
+manager whose bitmask is the chunk's slice of the batch's bitmask. The rows,
+the grammar calls and their order within a request are stock's; only
+requests run side by side.
+
+Threads pay only where a row's fill (xgrammar releases the GIL while it
+fills) outweighs the Python around it, which holds the GIL: measured on two
+lanes, 1.4-1.6x at a 131k vocabulary and B >= 128, nothing at 32k, a loss
+below about 128 rows. So the walk is threaded only with xgrammar
+(llguidance's single-row fill measured no gain), vLLM's fill pool present
+(it exists when `max_num_seqs` > 128), at least MIN_ROWS rows, and where
+the manager's own measurements (`Choice`: wall time per row, serial against
+threaded) say threads are cheaper. `VLLM_PATCH_PARALLEL_VERIFY=0` keeps
+the serial walk.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import statistics
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import numpy as np
+
+from vllm_patch import envs
+
+# A step with fewer rows stays serial: handing work to a thread costs more
+# than it saves (benchmarks/verify_rows_parallel.py).
+MIN_ROWS = 128
+# Rows per unit of work a lane takes at a time.
+CHUNK_ROWS = 24
+# Walks per mode the choice remembers; one probe of the other mode every
+# PROBE_EVERY eligible steps.
+WINDOW = 5
+PROBE_EVERY = 100
+_CHOICE_ATTR = "_vllm_patch_parallel_rows_choice"
+# Backends whose row fill releases the GIL.
+PARALLEL_BACKENDS = frozenset({"XgrammarBackend"})
+
+
+class _Stats:
+    """Process-wide counters (tests and the benchmark read them)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.parallel_steps = 0
+        self.serial_steps = 0
+        self.chunks = 0
+
+    def count(self, chunks: int) -> None:
+        with self.lock:
+            if chunks > 1:
+                self.parallel_steps += 1
+                self.chunks += chunks
+            else:
+                self.serial_steps += 1
+
+
+STATS = _Stats()
+
+
+def lanes(manager: Any) -> int:
+    """Threads available to one walk: vLLM's fill pool and the engine
+    thread itself (it would otherwise wait)."""
+    pool = getattr(manager, "executor_for_fillmask", None)
+    workers = getattr(pool, "_max_workers", 0) if pool is not None else 0
+    return 1 + int(workers or 0)
+
+
+def row_counts(ids: list[str], spec: dict[str, list[int]], stride: int | None
+               ) -> list[int]:
+    """Rows per request: 0.32 packs 1 + len(drafts); 0.33 gives k + 1."""
+    if stride is not None:
+        return [stride] * len(ids)
+    return [1 + len(spec.get(rid, ())) for rid in ids]
+
+
+def plan(counts: list[int]) -> list[tuple[int, int]]:
+    """Contiguous (start, end) request ranges of about CHUNK_ROWS rows each
+    (one range: the walk stays serial). Lanes take the next range as they
+    finish one, so a few slow rows (a long fill deep in a document) do not
+    leave the other lanes idle."""
+    total = sum(counts)
+    if total < MIN_ROWS or len(counts) < 2:
+        return [(0, len(counts))]
+    out, start, acc = [], 0, 0
+    for i, c in enumerate(counts):
+        acc += c
+        if acc >= CHUNK_ROWS:
+            out.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < len(counts):
+        out.append((start, len(counts)))
+    return out
+
+
+class Choice:
+    """Per manager: whether threads pay for this batch, from measurement.
+    The wall time per row of the last few serial and threaded walks; the
+    cheaper mode runs, and every PROBE_EVERY-th eligible step runs the
+    other once, so a change in the batch (longer documents, another
+    vocabulary's cost per row) is seen. Serial first: a walk is threaded
+    only after two threaded walks measured cheaper per row than serial.
+    Each mode's first walk is not kept: the first walk over new grammar
+    states is slow in either mode (found: a cold serial walk made threads
+    look cheaper at a 32k vocabulary, where they are 20 % dearer)."""
+
+    def __init__(self) -> None:
+        self.per_row: dict[bool, deque[float]] = {
+            False: deque(maxlen=WINDOW), True: deque(maxlen=WINDOW)}
+        self.steps = 0
+        self.seen = {False: False, True: False}
+
+    def threaded(self) -> bool:
+        self.steps += 1
+        serial, threaded = self.per_row[False], self.per_row[True]
+        if len(serial) < 2:
+            return False
+        if len(threaded) < 2:
+            return True
+        best = statistics.median(threaded) < statistics.median(serial)
+        return (not best) if self.steps % PROBE_EVERY == 0 else best
+
+    def record(self, threaded: bool, ns: int, rows: int) -> None:
+        if not self.seen[threaded]:
+            self.seen[threaded] = True
+            return
+        self.per_row[threaded].append(ns / max(rows, 1))
+
+
+def choice(manager: Any) -> Choice:
+    c = getattr(manager, _CHOICE_ATTR, None)
+    if c is None:
+        c = Choice()
+        setattr(manager, _CHOICE_ATTR, c)
+    return c
+
+
+def wanted(manager: Any, ids: list[str]) -> bool:
+    """Whether this walk may run on threads at all."""
+    if len(ids) < 2 or lanes(manager) < 2:
+        return False
+    if type(manager.backend).__name__ not in PARALLEL_BACKENDS:
+        return False
+    return envs.settings().parallel_verify
+
+
+def walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
+         ids: list[str], spec: dict[str, list[int]], stride: int | None
+         ) -> Any:
+    """The batch's bitmask, its requests walked by `walk_serial` (stock's
+    `grammar_bitmask`, or a wrapper of it) in chunks side by side. Same
+    rows as one serial call; serial when `wanted` or `plan` says so."""
+    if not wanted(manager, ids):
+        STATS.count(1)
+        return walk_serial(manager, requests, ids, spec)
+    counts = row_counts(ids, spec, stride)
+    ranges = plan(counts)
+    if len(ranges) == 1:
+        STATS.count(1)
+        return walk_serial(manager, requests, ids, spec)
+    decide = choice(manager)
+    total = sum(counts)
+    t0 = time.perf_counter_ns()
+    if not decide.threaded():
+        out = walk_serial(manager, requests, ids, spec)
+        decide.record(False, time.perf_counter_ns() - t0, total)
+        STATS.count(1)
+        return out
+    if manager._grammar_bitmask is None:
+        # Sized as stock sizes it on its first call.
+        k = manager.vllm_config.num_speculative_tokens
+        manager._grammar_bitmask = manager.backend.allocate_token_bitmask(
+            manager.vllm_config.scheduler_config.max_num_seqs * (1 + k))
+    full = manager._grammar_bitmask
+    if total > full.shape[0]:
+        STATS.count(1)
+        return walk_serial(manager, requests, ids, spec)
+    offsets = np.concatenate(([0], np.cumsum(counts))).tolist()
+
+    def chunk(lo: int, hi: int) -> None:
+        view = copy.copy(manager)
+        view._grammar_bitmask = full[offsets[lo]:offsets[hi]]
+        walk_serial(view, requests, ids[lo:hi], spec)
+
+    taken = itertools.count()  # next() is atomic under the GIL
+
+    def drain() -> None:
+        for i in iter(taken.__next__, None):
+            if i >= len(ranges):
+                return
+            chunk(*ranges[i])
+
+    pool = manager.executor_for_fillmask
+    helpers = min(lanes(manager), len(ranges)) - 1
+    futures: list[Future] = [pool.submit(drain) for _ in range(helpers)]
+    error: BaseException | None = None
+    try:
+        drain()
+    except BaseException as exc:  # noqa: BLE001 - re-raised after the others end
+        error = exc
+        for _ in range(len(ranges)):  # the other lanes take nothing more
+            next(taken)
+    for f in futures:  # every chunk ends before the step goes on
+        try:
+            f.result()
+        except BaseException as exc:  # noqa: BLE001
+            error = error or exc
+    if error is not None:
+        raise error
+    decide.record(True, time.perf_counter_ns() - t0, total)
+    STATS.count(len(ranges))
+    return full[:total].numpy()
