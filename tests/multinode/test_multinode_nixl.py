@@ -27,6 +27,7 @@ from vllm_patch.launch.router import parse_metrics
 from vllm_patch.testing import workload as wl
 
 from .test_multinode import (_batch, _check_stop_valid, _client, _health, _idle, _launch,
+                             _schemas,
                              _requests, _servers_on)
 
 # short, so the lease step takes seconds (the launcher's default is 120 s)
@@ -67,6 +68,7 @@ def _side_channel_port(c, node: str) -> str | None:
 @pytest.mark.timeout(1500)
 def test_nixl_connector_across_namespaces(cluster):
     pytest.importorskip("nixl._api", reason="nixl not installed")
+    _schemas()  # skips now, before the launch, when the sample is missing
     c = cluster
     # The namespaces share this host: UCX would pick its shared-memory
     # transports between them (one machine to UCX), so the KV would never
