@@ -27,8 +27,7 @@ from vllm_patch.launch.router import parse_metrics
 from vllm_patch.testing import workload as wl
 
 from .test_multinode import (_batch, _check_stop_valid, _client, _health, _idle, _launch,
-                             _schemas,
-                             _requests, _servers_on)
+                             _requests, _schemas, _servers_on)
 
 # short, so the lease step takes seconds (the launcher's default is 120 s)
 LEASE_S = 20
