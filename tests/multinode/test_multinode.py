@@ -88,7 +88,17 @@ def _requests(n: int, offset: int = 0, max_tokens: int = wl.MAX_TOKENS) -> list[
             for j in range(n)]
 
 
+# A regex whose every answer is long (120-160 letters, about as many tokens
+# for the tiny model, which closes the real schemas above in a few tokens):
+# the streams that are still running when the partition starts.
+LONG_REGEX = r"[a-z]{120,160}"
+
+
 def _valid(r: dict, text: str) -> bool:
+    if r["kind"] == "long_regex":
+        import re
+
+        return re.fullmatch(LONG_REGEX, text) is not None
     if r["kind"] != "schema":
         return wl.valid(r["kind"], text)
     import jsonschema
@@ -110,6 +120,7 @@ def _send(client, r: dict, seen: dict | None = None) -> dict:
     if seen is not None:
         seen[r["i"]] = times
     so = {"regex": wl.REGEX} if r["kind"] == "regex" else \
+        {"regex": LONG_REGEX} if r["kind"] == "long_regex" else \
         {"choice": wl.CHOICES} if r["kind"] == "choice" else None
     kw = dict(model="tiny", max_tokens=r["max_tokens"], temperature=0, stream=r["stream"],
               extra_body={"structured_outputs": so} if so else {})
@@ -200,11 +211,14 @@ PARTITION_S = 20
 
 
 def _long_requests(offset: int) -> list[dict]:
-    """8 requests with long answers: 6 streams and 2 not, the real schemas
-    first (the tiny model writes them until max_tokens), regex and choice."""
+    """8 requests, max_tokens 256: 4 streams with long answers (LONG_REGEX),
+    2 streams and 2 non-streaming requests with the real schemas."""
     mix = _requests(18, offset=offset, max_tokens=256)
-    streams = [r for r in mix if r["stream"]]
-    return streams[:6] + [r for r in mix if not r["stream"]][:2]
+    schema = [r for r in mix if r["kind"] == "schema"]
+    long = [dict(schema[0], kind="long_regex", schema=None, chat=False, stream=True,
+                 i=2000 + offset + j) for j in range(4)]
+    return (long + [r for r in schema if r["stream"]][:2]
+            + [r for r in schema if not r["stream"]][:2])
 
 
 def _partition_decode(c, client, url: str, seconds: float) -> dict:
@@ -253,6 +267,8 @@ def _partition_decode(c, client, url: str, seconds: float) -> dict:
     # an answer ends with its finish reason; anything else is a clean error
     assert all(o["finish"] in ("stop", "length") for o in outs if o["error"] is None), outs
     assert cut_streams, ("no stream was under way when the link went down", out)
+    # ...and one of them outlasted the partition (paused, not just ended)
+    assert any(o["end"] > up for o in cut_streams), out
     _check_stop_valid(reqs, outs)
     return out
 
@@ -294,9 +310,8 @@ def test_example_connector_across_namespaces(cluster):
     assert report["kv_files"] > 0, sorted(own.rglob("*"))
     assert wl.is_idle(_idle(ready["instances"]))
 
-    # 2. the decode node's link down 20 s under load, then up: long answers
-    # (max_tokens 256, the real schemas), mostly streams, the link cut once
-    # streams are under way
+    # 2. the decode node's link down 20 s under load, then up: long streams
+    # and the real schemas, the link cut once streams are under way
     report.update(_partition_decode(c, client, url, PARTITION_S))
     assert launcher.poll() is None, (c.root / "launch.log").read_text()[-3000:]
     deadline = time.monotonic() + 120
