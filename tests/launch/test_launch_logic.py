@@ -16,8 +16,8 @@ import pytest
 
 from vllm_patch.launch.config import LaunchConfig, LaunchError
 from vllm_patch.launch.deployment import (
-    MEMORY_HEADROOM, VLLM_MEMORY_UTILIZATION, Deployment, Instance, memory_utilization,
-    own_memory_setting)
+    MEMORY_HEADROOM, NIXL_KV_LEASE_S, VLLM_MEMORY_UTILIZATION, Deployment, Instance,
+    memory_utilization, own_memory_setting)
 from vllm_patch.launch.supervisor import (InstanceSupervisor, exit_cause, kv_folder,
                                           same_cause)
 
@@ -164,6 +164,24 @@ def test_memory_flags_given_to_the_servers():
     with pytest.raises(LaunchError, match=r"2 vLLM server\(s\) on h1 would get 1\.0 GiB "
                        r"of memory each .* --kv-cache-memory-bytes"):
         _deployment(3)._memory_args()
+
+
+def test_nixl_kv_lease_set_unless_the_user_sets_it():
+    """NixlConnector: kv_lease_duration (how long a prefill server keeps a
+    prompt's KV blocks for a decode server that has not read them) is the
+    launcher's 120 s, not vLLM's 30 s, unless the user gives one; other
+    connectors get none."""
+    dep = _deployment(16, ("h1", "h2"))
+    for inst in dep.instances:
+        kv = dep._kv_config(inst)
+        assert kv["kv_connector_extra_config"]["kv_lease_duration"] == NIXL_KV_LEASE_S == 120
+        assert kv["kv_buffer_device"] == "cpu"
+    own = _deployment(16, ("h1", "h2"), kv_connector_extra_config={"kv_lease_duration": 7})
+    assert own._kv_config(own.instances[0])["kv_connector_extra_config"] == {
+        "kv_lease_duration": 7}
+    ex = _deployment(16, ("h1", "h2"), connector="ExampleConnector")
+    assert "kv_lease_duration" not in ex._kv_config(ex.instances[0])[
+        "kv_connector_extra_config"]
 
 
 def _kv_supervisor(tmp_path, name: str = "prefill-0") -> InstanceSupervisor:

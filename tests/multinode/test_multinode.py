@@ -55,54 +55,117 @@ def _client(url: str):
                          max_retries=0)
 
 
-def _send(client, r: dict) -> dict:
-    """One workload request through the openai client: its text and finish
-    reason, or the clean error it ended with."""
+# JSONSchemaBench schemas (real ones users send; xgrammar compiles them):
+# a required enum, a required 10-character string through a $ref with any
+# other property allowed, an array of 1-character strings (the last two let
+# the tiny model write long answers: the long streams of the partition step)
+SCHEMA_FILES = ("Github_trivial/o43979.json", "Github_trivial/o41662.json",
+                "Github_easy/o21730.json")
+
+
+def _schemas() -> dict[str, dict]:
+    from vllm_patch.testing import jsonschemabench
+
+    out = {}
+    for name in SCHEMA_FILES:
+        path = jsonschemabench.SCHEMAS / name
+        if not path.exists():
+            pytest.skip(jsonschemabench.MISSING)
+        out[name] = json.loads(path.read_text())
+    return out
+
+
+def _requests(n: int, offset: int = 0, max_tokens: int = wl.MAX_TOKENS) -> list[dict]:
+    """n structured requests: the JSONSchemaBench schemas, regex and choice,
+    completions and chat, streaming and not, in a fixed order; a unique
+    prompt of >= 2 KV blocks each (so every prompt's KV travels P -> D)."""
+    schemas = _schemas()
+    kinds = [("schema", s) for s in schemas] + [("regex", None), ("choice", None)]
+    mix = [dict(kind=k, schema=sch, chat=chat, stream=stream)
+           for stream in (True, False) for k, sch in kinds
+           for chat in ((False, True) if k != "regex" else (False,))]
+    return [dict(mix[(offset + j) % len(mix)], i=1000 + offset + j, max_tokens=max_tokens)
+            for j in range(n)]
+
+
+# A regex whose every answer is long (120-160 letters, about as many tokens
+# for the tiny model, which closes the real schemas above in a few tokens):
+# the streams that are still running when the partition starts.
+LONG_REGEX = r"[a-z]{120,160}"
+
+
+def _valid(r: dict, text: str) -> bool:
+    if r["kind"] == "long_regex":
+        import re
+
+        return re.fullmatch(LONG_REGEX, text) is not None
+    if r["kind"] != "schema":
+        return wl.valid(r["kind"], text)
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), _schemas()[r["schema"]])
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def _send(client, r: dict, seen: dict | None = None) -> dict:
+    """One request through the openai client: its text and finish reason,
+    or the clean error it ended with; its start, first chunk and end times
+    (`time.monotonic()`), also in `seen[r["i"]]` while it runs."""
     import openai
 
-    path, body = wl.make_body(r)
-    extra = {k: body[k] for k in ("structured_outputs", "ignore_eos") if k in body}
-    kw = dict(model="tiny", max_tokens=body["max_tokens"], temperature=0,
-              stream=body["stream"], extra_body=extra)
-    t0 = time.monotonic()
+    times = {"start": time.monotonic(), "first": None, "end": None}
+    if seen is not None:
+        seen[r["i"]] = times
+    so = {"regex": wl.REGEX} if r["kind"] == "regex" else \
+        {"regex": LONG_REGEX} if r["kind"] == "long_regex" else \
+        {"choice": wl.CHOICES} if r["kind"] == "choice" else None
+    kw = dict(model="tiny", max_tokens=r["max_tokens"], temperature=0, stream=r["stream"],
+              extra_body={"structured_outputs": so} if so else {})
+    text, finish, error = "", None, None
     try:
         if r["chat"]:
-            if "response_format" in body:
-                kw["response_format"] = body["response_format"]
-            out = client.chat.completions.create(messages=body["messages"], **kw)
+            if r["kind"] == "schema":
+                kw["response_format"] = {"type": "json_schema", "json_schema": {
+                    "name": "schema", "schema": _schemas()[r["schema"]]}}
+            out = client.chat.completions.create(
+                messages=[{"role": "user", "content": wl.prompt(r["i"])}], **kw)
         else:
-            out = client.completions.create(prompt=body["prompt"], **kw)
-        text, finish = "", None
-        if body["stream"]:
+            if r["kind"] == "schema":
+                kw["extra_body"] = {"structured_outputs": {"json": _schemas()[r["schema"]]}}
+            out = client.completions.create(prompt=wl.prompt(r["i"]), **kw)
+        if r["stream"]:
             for ev in out:
+                times["first"] = times["first"] or time.monotonic()
                 for ch in ev.choices:
                     text += (ch.delta.content if r["chat"] else ch.text) or ""
                     finish = ch.finish_reason or finish
         else:
             ch = out.choices[0]
             text, finish = (ch.message.content if r["chat"] else ch.text) or "", ch.finish_reason
-        return dict(text=text, finish=finish, error=None, s=time.monotonic() - t0)
     except openai.APIError as e:
-        return dict(text="", finish=None, error=f"{type(e).__name__}: {str(e)[:200]}",
-                    s=time.monotonic() - t0)
-
-
-def _requests(n: int, offset: int = 0) -> list[dict]:
-    reqs = [r for r in wl.build_requests() if not r["ignore_eos"]]
-    return [dict(reqs[(offset + j) % len(reqs)], i=1000 + offset + j) for j in range(n)]
+        error = f"{type(e).__name__}: {str(e)[:200]}"
+    times["end"] = time.monotonic()
+    return dict(text=text, finish=finish, error=error, s=times["end"] - times["start"],
+                **times)
 
 
 def _batch(client, reqs, during=None) -> list[dict]:
+    """The requests at once (8 at a time); `during(seen)`, if given, runs
+    meanwhile with the running requests' times (see _send)."""
+    seen: dict = {}
     with cf.ThreadPoolExecutor(8) as ex:
-        futs = [ex.submit(_send, client, r) for r in reqs]
+        futs = [ex.submit(_send, client, r, seen) for r in reqs]
         if during:
-            during()
+            during(seen)
         return [f.result(timeout=REQUEST_BOUND_S + 30) for f in futs]
 
 
 def _check_stop_valid(reqs, outs) -> None:
     bad = [(r, o) for r, o in zip(reqs, outs)
-           if o["finish"] == "stop" and not wl.valid(r["kind"], o["text"])]
+           if o["finish"] == "stop" and not _valid(r, o["text"])]
     assert bad == [], bad
 
 
@@ -144,9 +207,76 @@ def _servers_on(c, node: str) -> list[int]:
     return out
 
 
+PARTITION_S = 20
+
+
+def _long_requests(offset: int) -> list[dict]:
+    """8 requests, max_tokens 256: 4 streams with long answers (LONG_REGEX),
+    2 streams and 2 non-streaming requests with the real schemas."""
+    mix = _requests(18, offset=offset, max_tokens=256)
+    schema = [r for r in mix if r["kind"] == "schema"]
+    long = [dict(schema[0], kind="long_regex", schema=None, chat=False, stream=True,
+                 i=2000 + offset + j) for j in range(4)]
+    return (long + [r for r in schema if r["stream"]][:2]
+            + [r for r in schema if not r["stream"]][:2])
+
+
+def _partition_decode(c, client, url: str, seconds: float) -> dict:
+    """The decode node's link down for `seconds` while long requests run,
+    from the moment the first stream has sent its first chunk; the router's
+    /health probed every 2 s meanwhile. Every request must end within the
+    bound, with an answer or a clean OpenAI-format error, at least one
+    stream must have been cut by the partition, every `stop` answer valid."""
+    window = {}
+    health = set()
+
+    def cut(seen):
+        deadline = time.monotonic() + 120
+        while not any(t["first"] and not t["end"] for t in seen.values()):
+            assert time.monotonic() < deadline, "no stream under way in 120 s"
+            time.sleep(0.05)
+        c.nodes["C"].link(False)
+        window["down"] = time.monotonic()
+        while time.monotonic() - window["down"] < seconds:
+            health.add(_health(url))
+            time.sleep(2)
+        c.nodes["C"].link(True)
+        window["up"] = time.monotonic()
+
+    reqs = _long_requests(offset=12)
+    t0 = time.monotonic()
+    outs = _batch(client, reqs, during=cut)
+    down, up = window["down"], window["up"]
+    cut_streams = [o for r, o in zip(reqs, outs)
+                   if r["stream"] and o["first"] and o["first"] < down < o["end"]]
+    out = {"partition": {
+        "seconds": seconds, "wall_s": round(time.monotonic() - t0, 1),
+        "requests": len(reqs), "ok": sum(o["error"] is None for o in outs),
+        "finish": sorted(str(o["finish"]) for o in outs if o["error"] is None),
+        "errors": sorted({o["error"] for o in outs if o["error"]}),
+        "in_flight_at_cut": sum(o["start"] < down < o["end"] for o in outs),
+        "streams_cut": len(cut_streams),
+        "streams_cut_ended_after_link_up": sum(o["end"] > up for o in cut_streams),
+        "longest_answer_chars": max(len(o["text"]) for o in outs),
+        "max_s": round(max(o["s"] for o in outs), 1),
+        "router_health_during": sorted(health)}}
+    # /health tells the truth throughout: an answer (never a client
+    # timeout), and not 200 while the decode node is cut off
+    assert sorted(health) == [503], out
+    assert all(o["s"] < REQUEST_BOUND_S for o in outs), outs
+    # an answer ends with its finish reason; anything else is a clean error
+    assert all(o["finish"] in ("stop", "length") for o in outs if o["error"] is None), outs
+    assert cut_streams, ("no stream was under way when the link went down", out)
+    # ...and one of them outlasted the partition (paused, not just ended)
+    assert any(o["end"] > up for o in cut_streams), out
+    _check_stop_valid(reqs, outs)
+    return out
+
+
 @pytest.mark.patched_only
 @pytest.mark.timeout(1500)
 def test_example_connector_across_namespaces(cluster):
+    _schemas()  # skips now, before the launch, when the sample is missing
     c = cluster
     # the folder every node sees (one file system: like an NFS mount), with
     # a file of the user's in it
@@ -180,30 +310,9 @@ def test_example_connector_across_namespaces(cluster):
     assert report["kv_files"] > 0, sorted(own.rglob("*"))
     assert wl.is_idle(_idle(ready["instances"]))
 
-    # 2. the decode node's link down 20 s under load, then up
-    def partition():
-        time.sleep(3)
-        c.nodes["C"].link(False)
-        t = time.monotonic()
-        seen = set()
-        while time.monotonic() - t < 20:
-            seen.add(_health(url))
-            time.sleep(2)
-        c.nodes["C"].link(True)
-        report["router_health_during_partition"] = sorted(seen)
-
-    reqs = _requests(8, offset=12)
-    t0 = time.monotonic()
-    outs = _batch(client, reqs, during=partition)
-    # /health tells the truth throughout: an answer (never a client
-    # timeout), and not 200 while the decode node is cut off
-    assert report["router_health_during_partition"] == [503], report
-    report["partition"] = {"wall_s": round(time.monotonic() - t0, 1),
-                           "ok": sum(o["error"] is None for o in outs),
-                           "errors": sorted({o["error"] for o in outs if o["error"]}),
-                           "max_s": round(max(o["s"] for o in outs), 1)}
-    assert all(o["s"] < REQUEST_BOUND_S for o in outs), outs
-    _check_stop_valid(reqs, outs)
+    # 2. the decode node's link down 20 s under load, then up: long streams
+    # and the real schemas, the link cut once streams are under way
+    report.update(_partition_decode(c, client, url, PARTITION_S))
     assert launcher.poll() is None, (c.root / "launch.log").read_text()[-3000:]
     deadline = time.monotonic() + 120
     while _health(url) != 200:

@@ -55,6 +55,17 @@ PLACE_TIMEOUT_S = 120.0
 # is unreachable for that poll (see LaunchConfig.unreachable_grace_s).
 STATUS_TIMEOUT_S = 30.0
 
+# NixlConnector's kv_lease_duration (kv_connector_extra_config) when the user
+# sets none: how long a prefill server keeps a finished prompt's KV blocks
+# for a decode server that has not read them yet (vLLM 0.32/0.33 default 30 s;
+# the decode side's heartbeats renew it once the request reaches the decode
+# server, so only the trip there and a stuck decode node count). 120 s, as
+# long as --unreachable-grace's default: a decode request held up by a
+# partition of up to that long (TCP retransmits it when the link is back)
+# still finds its blocks, and a decode node gone for good holds them at most
+# 2 minutes. (vLLM's old VLLM_NIXL_ABORT_REQUEST_TIMEOUT is not read by 0.32.)
+NIXL_KV_LEASE_S = 120
+
 # vLLM's default --gpu-memory-utilization (CacheConfig.gpu_memory_utilization),
 # on the CPU the fraction of the NUMA node's memory one server reserves.
 VLLM_MEMORY_UTILIZATION = 0.92
@@ -460,8 +471,10 @@ class Deployment:
             "kv_role": "kv_producer" if inst.role == "prefill" else "kv_consumer",
             "kv_connector_extra_config": extra,
             **cfg.kv_transfer_config}
-        if cfg.connector == "NixlConnector" and inst.info["node_id"] not in self._gpu_nodes:
-            kv.setdefault("kv_buffer_device", "cpu")
+        if cfg.connector == "NixlConnector":
+            extra.setdefault("kv_lease_duration", NIXL_KV_LEASE_S)
+            if inst.info["node_id"] not in self._gpu_nodes:
+                kv.setdefault("kv_buffer_device", "cpu")
         return kv
 
     def _start_servers(self) -> None:
@@ -502,6 +515,16 @@ class Deployment:
         if self._kv_storage is not None:
             self._say(f"KV cache files (ExampleConnector) in {self._kv_storage}, this "
                       "deployment's own folder, removed when it stops")
+        if cfg.connector == "NixlConnector":
+            lease = cfg.kv_connector_extra_config.get("kv_lease_duration", NIXL_KV_LEASE_S)
+            self._say(f"NIXL KV lease: a prefill server frees a prompt's KV blocks "
+                      f"{lease} s after its prefill if no decode server has read them "
+                      "(kv_lease_duration in --kv-connector-extra-config)")
+            if any("VLLM_NIXL_ABORT_REQUEST_TIMEOUT" in self._server_env(i)
+                   for i in self.instances):
+                self._say("VLLM_NIXL_ABORT_REQUEST_TIMEOUT is set but this vLLM does not "
+                          "read it: set kv_lease_duration in --kv-connector-extra-config "
+                          "instead", logging.WARNING)
         started = []
         for inst, p in zip(self.instances, ports):
             rc = cfg.role(inst.role)

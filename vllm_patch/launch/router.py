@@ -56,7 +56,7 @@ import threading
 import uuid
 from http import HTTPStatus
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, web
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 
 from vllm_patch.launch.supervisor import free_port
 
@@ -78,6 +78,14 @@ READ_TIMEOUT_S = 60.0
 # An instance's /health answers in milliseconds; one that does not answer
 # in this long is down or cut off.
 HEALTH_TIMEOUT_S = 3.0
+# Seconds an idle connection to an instance is kept for reuse: below the 5 s
+# after which vLLM's server (uvicorn, VLLM_HTTP_TIMEOUT_KEEP_ALIVE) closes an
+# idle one, so a request is never written into a connection the server is
+# closing or has closed (it then fails with "Server disconnected"; aiohttp's
+# default keeps them 15 s). A partition makes that likely: the server's
+# close is lost with the link, and a request written meanwhile meets a reset
+# once the link is back.
+KEEPALIVE_S = 3.0
 METRICS_TIMEOUT_S = 5.0
 # request key: the streamed response, once started
 _STREAMING = (web.RequestKey("pd_streaming", web.StreamResponse)
@@ -154,7 +162,8 @@ class Router:
         self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0}
 
     async def start(self, app: web.Application) -> None:
-        self.session = ClientSession(timeout=self.timeout)
+        self.session = ClientSession(timeout=self.timeout,
+                                     connector=TCPConnector(keepalive_timeout=KEEPALIVE_S))
 
     async def close(self, app: web.Application) -> None:
         if self.session is not None:
