@@ -14,7 +14,10 @@ verifies post-terminal drafts, and samples the bonus, against them.
 - `g3-rows-after-padding-0.32` / `-0.33` (wraps `grammar_bitmask`): every
   row after a request's first -1 draft, the bonus row included, repeats the
   row at it (the valid-prefix row, or the stop-only row), as stock already
-  does after a failed accept; only the row layout differs by series.
+  does after a failed accept; only the row layout differs by series. The
+  same wrapper walks a large xgrammar batch's requests in chunks on vLLM's
+  fill threads where that is faster (`parallel_rows`; stock's walk per
+  chunk, the same rows).
 
 Which drafts the worker may accept is enforced by
 `vllm_patch.v1.worker.gpu_model_runner.g3_drafts`. Requests without structured output
@@ -179,7 +182,8 @@ _WHY_ROWS = (
 _HOW_ROWS = (
     "after the stock walk, rows after a request's first -1 draft copy the row "
     "at it (valid-prefix row or stop-only row), as stock already does after a "
-    "failed accept; layout per series"
+    "failed accept; layout per series; a large xgrammar batch is walked in "
+    "request chunks on vLLM's fill threads where measured faster (same rows)"
 )
 _DESIGN = (
     " Design: rows are fixed on the scheduler side because only the scheduler "
