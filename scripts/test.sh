@@ -114,6 +114,9 @@ v033="${VLLM_PATCH_V033:-${VLLM_PATCH_CACHE:-$HOME/.cache/vllm-patch}/vllm-0.33.
 py="$venv/bin/python"
 [ -x "$py" ] || { echo "no Python at $py: run without --no-setup first" >&2; exit 1; }
 export PATH="$venv/bin:$PATH" VLLM_PATCH_V033="$v033"
+# This checkout's vllm_patch first, whichever checkout the venv's editable
+# install points at (a second work tree of the repo tests its own code).
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 out="$repo/.test-results"
 rm -rf "$out" && mkdir -p "$out"
 cd "$repo"
@@ -138,7 +141,7 @@ for version in 0.32 0.33; do
   markers="$(markers_for "$version" 2>/dev/null)"
   [ -z "$markers" ] && continue
   envs=()
-  [ "$version" = 0.33 ] && envs=(VLLM_TARGET_DEVICE=cpu PYTHONPATH="$v033")
+  [ "$version" = 0.33 ] && envs=(VLLM_TARGET_DEVICE=cpu PYTHONPATH="$repo:$v033")
   tag="v${version/./}"
   for mode in patched stock; do
     [ -n "$want_mode" ] && [ "$want_mode" != "$mode" ] && continue
