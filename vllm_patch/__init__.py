@@ -146,9 +146,12 @@ def register() -> None:
                          if o.state is patching.State.APPLIED
                          and o.patch.guarantee == "test-only"]
             fixes = [n for n in applied if n not in test_only]
+            native = sorted(patching.native_guarantees())
             logger.warning(
                 "vllm_patch: VLLM_PATCH_DISABLE=1, no patch applied: "
-                "G1-G4 are NOT enforced (stock vLLM)%s%s",
+                "G1-G4 are NOT enforced by this package (stock vLLM)%s%s%s",
+                "; this vLLM build enforces " + ", ".join(native) +
+                " itself (patch series)" if native else "",
                 "; TEST ONLY switches still on (each set by its own variable): "
                 + ", ".join(test_only) if test_only else "",
                 "; still on, set by their own variable: " + ", ".join(fixes)

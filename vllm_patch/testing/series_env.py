@@ -189,10 +189,42 @@ def plugin_installed(env: Path, repo: Path) -> Iterator[None]:
 
 # ------------------------------------------------------------ the tests
 
-def series_test_files(version: str) -> list[str]:
-    return sorted({f for sp in series.read_series(version) for f in sp.files
-                   if f.startswith("tests/") and f.endswith(".py")
-                   and Path(f).name.startswith("test_")})
+def series_tests(version: str) -> list[str]:
+    """What the series adds to vLLM's tests, as pytest arguments: each test
+    file a patch creates, whole; in a test file it changes, only the test
+    functions its hunks touch (`file::test_name`; the whole file when a hunk
+    is outside any test function), so the tier does not run vLLM's whole
+    test_scheduler.py for one changed test."""
+    import re
+
+    out: set[str] = set()
+    for sp in series.read_series(version):
+        text = sp.path.read_text()
+        for m in re.finditer(r"^diff --git a/(\S+) b/\S+\n(.*?)(?=^diff --git |^-- \n|\Z)",
+                             text, re.M | re.S):
+            f, body = m.group(1), m.group(2)
+            if not (f.startswith("tests/") and f.endswith(".py")
+                    and Path(f).name.startswith("test_")):
+                continue
+            if re.search(r"^new file mode", body, re.M):
+                out.add(f)
+                continue
+            names = set()
+            for hunk in re.finditer(r"^@@[^@]*@@ ?(.*)\n((?:[ +\-\\].*\n?)*)",
+                                    body, re.M):
+                context, lines = hunk.group(1), hunk.group(2)
+                added = re.findall(r"^\+(?:async )?def (test_\w+)", lines, re.M)
+                ctx = re.match(r"(?:async )?def (test_\w+)", context)
+                if ctx:
+                    names.add(ctx.group(1))
+                names.update(added)
+                if not ctx and not added:
+                    names.add("")  # outside a test: the whole file
+            if "" in names:
+                out.add(f)
+            else:
+                out.update(f"{f}::{n}" for n in names)
+    return sorted(out)
 
 
 def _git_apply(tree: Path, patch: Path, *args: str) -> subprocess.CompletedProcess:
