@@ -376,8 +376,9 @@ def build_command(args) -> int:
         return 2
     print(path)
     for sp in read_series(args.vllm):
+        carries = f"carries {', '.join(sp.guarantees)}; " if sp.guarantees else ""
         print(f"  {sp.path.name}: {sp.subject} "
-              f"[replaces {', '.join(sp.replaces) or '-'}]")
+              f"[{carries}replaces {', '.join(sp.replaces) or '-'}]")
     return 0
 
 
