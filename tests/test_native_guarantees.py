@@ -90,3 +90,19 @@ def test_status_per_runner_when_the_build_carries_one_runner(monkeypatch):
     assert row["runners"]["V1"]["status"] == NATIVE
     assert row["runners"]["V2"]["status"] == "not enforced"
     assert "for V1 only" in row["runners"]["V2"]["reason"]
+
+
+def test_grammar_end_on_a_build_that_carries_g2(monkeypatch):
+    """G3's draft skip for requests ending in this step asks whether G2
+    finishes requests at the grammar's end: on a G2 build it does, although
+    no plugin G2 patch is applied there, and also with the plugin's
+    stop-on-termination switch off (the build ignores it)."""
+    from vllm_patch.v1.spec_decode.grammar_end import g2_finishes_at_grammar_end
+
+    monkeypatch.setattr(REGISTRY, "outcomes", {})
+    monkeypatch.setattr(patching, "_NATIVE_GUARANTEES", [{}])
+    assert not g2_finishes_at_grammar_end()
+    _carried(monkeypatch)
+    assert g2_finishes_at_grammar_end()
+    monkeypatch.setenv("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", "0")
+    assert g2_finishes_at_grammar_end()

@@ -167,11 +167,15 @@ def next_step(runner: Any) -> int:
 
 
 def g2_finishes_at_grammar_end() -> bool:
-    """Patched G2 finishes a request at its grammar's end in this process
-    (the worker inherits the engine's environment and patch set)."""
+    """G2 finishes a request at its grammar's end in this process (the
+    worker inherits the engine's environment and patch set): a vLLM build
+    that carries G2 always does (the stop-on-termination switch does not
+    reach its code), else the plugin's applied G2 unless switched off."""
     from vllm_patch import envs
-    from vllm_patch.patching import REGISTRY, State
+    from vllm_patch.patching import REGISTRY, State, guarantee_native
 
+    if guarantee_native("G2"):
+        return True
     if not envs.settings().stop_on_grammar_termination:
         return False
     return any(o.state is State.APPLIED for n, o in REGISTRY.outcomes.items()
