@@ -329,9 +329,12 @@ def forced_tokens(grammar: Any, recent: Sequence[int], tokenizer: Any,
         return _done(outcome, "cut", [])
     cut = end
     data = forced[:end]
+    # Whether the grammar allows a byte next (one state: after the forced
+    # text): asked once per byte however many offsets share it.
+    allowed: dict[int, bool] = {}
     for p in range(lo, end):
         follow = vocab.next_bytes(data[p:])
-        if follow and _any_byte_allowed(grammar, vocab, follow):
+        if follow and _any_byte_allowed(grammar, vocab, follow, allowed):
             cut = p
             break
     keep = [t for t, e in zip(new, ends) if e <= cut][:k]
@@ -341,14 +344,23 @@ def forced_tokens(grammar: Any, recent: Sequence[int], tokenizer: Any,
     return _done(outcome, "ok" if keep else "cut", keep)
 
 
-def _any_byte_allowed(grammar: Any, vocab: Vocab,
-                      follow: tuple[int, ...]) -> bool:
+def _any_byte_allowed(grammar: Any, vocab: Vocab, follow: tuple[int, ...],
+                      known: dict[int, bool] | None = None) -> bool:
     """Does the grammar (at its current state) allow one of these bytes
     next? Checked with each byte's single-byte token; a byte without one
-    counts as allowed (the rule then cuts: the safe side)."""
+    counts as allowed (the rule then cuts: the safe side). `known`: the
+    answers so far at this same state (read and filled)."""
     for byte in follow:
-        t = vocab.byte_token.get(byte)
-        if t is None or grammar.validate_tokens([t]):
+        if known is not None:
+            ok = known.get(byte)
+            if ok is None:
+                t = vocab.byte_token.get(byte)
+                ok = known[byte] = t is None or bool(
+                    grammar.validate_tokens([t]))
+        else:
+            t = vocab.byte_token.get(byte)
+            ok = t is None or bool(grammar.validate_tokens([t]))
+        if ok:
             return True
     return False
 

@@ -116,8 +116,12 @@ class Shadow:
     # call per token, vLLM's wrapper bypassed for the shadow's whole life so
     # its counters never disagree); None: the backend-neutral vLLM API.
     matcher: Any = None
-    # Tokens walked forward while drafting in this step (rolled back after).
-    walked: int = 0
+    # Tokens the shadow stands after, beyond the committed state: walked
+    # while drafting, kept after the propose (not rolled back there) until
+    # the next `advance`, which keeps what the target committed of them
+    # and rolls back only the rest (most accepted drafts are then not
+    # accepted by the grammar a second time).
+    path: list[int] = field(default_factory=list)
     # Still walking in this step (False after the grammar ended or refused).
     walking: bool = True
     # First draft position of this step the walk changed (the cost model's
@@ -138,6 +142,10 @@ class Shadow:
     # `advance`, the only place the committed state moves).
     ended: bool = False
 
+    @property
+    def walked(self) -> int:
+        return len(self.path)
+
     def __post_init__(self) -> None:
         if self.matcher is not None:
             self.handle = self.matcher._handle
@@ -153,6 +161,16 @@ def _matcher_of(grammar: Any) -> Any:
 def _ended(sh: Shadow) -> bool:
     return sh.matcher.is_terminated() if sh.matcher is not None \
         else sh.grammar.is_terminated()
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _committed_ended(sh: Shadow) -> bool:
@@ -267,27 +285,34 @@ def _try_all_each(shadows: Sequence[Shadow],
     return out
 
 
-def _rollback_each(shadows: Sequence[Shadow]) -> None:
-    """Every shadow back by its `walked` tokens (to the committed state):
-    xgrammar's in one batched call. As `_rollback`, vLLM's grammar object
-    agrees with its matcher after it."""
+def _rollback_each(shadows: Sequence[Shadow],
+                   keep: Sequence[int] | None = None) -> None:
+    """Every shadow back to its committed state plus the first `keep[i]`
+    tokens of its path (none by default): xgrammar's in one batched call.
+    As `_rollback`, vLLM's grammar object agrees with its matcher after it.
+    """
+    undo = [(sh, sh.walked - (keep[j] if keep is not None else 0))
+            for j, sh in enumerate(shadows)]
+    undo = [(sh, n) for sh, n in undo if n > 0]
     api = _batch_api()
-    fast = [sh for sh in shadows if sh.walked and sh.handle is not None] \
+    fast = [(sh, n) for sh, n in undo if sh.handle is not None] \
         if api is not None else []
     if len(fast) > 1:
-        api.batch_rollback([sh.handle for sh in fast],
-                           [sh.walked for sh in fast])
-        for sh in fast:
+        api.batch_rollback([sh.handle for sh, _ in fast],
+                           [n for _, n in fast])
+        for sh, n in fast:
             g = sh.grammar
-            g.num_processed_tokens -= sh.walked
-            # The committed state: it walked, so it had not ended.
-            g._is_terminated = sh.ended
+            g.num_processed_tokens -= n
+            # Before its end: it walked on after this state.
+            g._is_terminated = False
+            del sh.path[len(sh.path) - n:]
     else:
         fast = []
-    done = {id(sh) for sh in fast}
-    for sh in shadows:
-        if sh.walked and id(sh) not in done:
-            _rollback(sh, sh.walked)
+    done = {id(sh) for sh, _ in fast}
+    for sh, n in undo:
+        if id(sh) not in done:
+            _rollback(sh, n)
+            del sh.path[len(sh.path) - n:]
 
 
 def _try(sh: Shadow, token: int) -> bool:
@@ -676,7 +701,19 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     # A shadow whose grammar had ended takes no token: lost, as a refusal.
     ended = [e for e in todo if _committed_ended(e[1])]
     todo = [e for e in todo if not _committed_ended(e[1])]
-    took = _try_all_each([sh for _, sh, _ in todo], [x for _, _, x in todo])
+    # Shadows that stand after the last walk: the committed tokens' common
+    # prefix with the walked ones is kept (the same tokens, so the same
+    # grammar state), the rest of the walk rolled back; only the tokens
+    # after that prefix are accepted now.
+    walked = [sh for _, sh, _ in todo if sh.path]
+    keep = {id(sh): _common(sh.path, toks) for _, sh, toks in todo
+            if sh.path}
+    _rollback_each(walked, [keep[id(sh)] for sh in walked])
+    took = _try_all_each(
+        [sh for _, sh, _ in todo],
+        [x[keep.pop(id(sh), 0):] for _, sh, x in todo])
+    for sh in walked:
+        sh.path = []
     for (req_id, shadow, tokens), ok in zip(todo, took):
         if ok:
             shadow.tail = (shadow.tail + tokens)[-CONTEXT_TOKENS:]
@@ -716,10 +753,13 @@ def begin(drafter: Any, batch_size: int) -> None:
     t.pending = None
     rows: dict[int, tuple[str, Shadow]] = {}
     if len(t.batch_req_ids) == batch_size:
+        # A walk the last advance did not settle (its request committed
+        # nothing since): back to the committed state first.
+        _rollback_each([sh for sh in map(t.shadows.get, t.batch_req_ids)
+                        if sh is not None and sh.path])
         for i, req_id in enumerate(t.batch_req_ids):
             shadow = t.shadows.get(req_id)
             if shadow is not None:
-                shadow.walked = 0
                 shadow.changed_at = None
                 shadow.walking = not _committed_ended(shadow)
                 if shadow.walking:
@@ -769,23 +809,24 @@ def _forced_ahead(t: Tracker, rows: dict[int, tuple[str, Shadow]],
             t.stats["forced_probed"] += len(forced)
         elif forced:
             shadow.forced = forced
-            shadow.walked = len(forced)
+            shadow.path = list(forced)
             t.stats["forced_ahead"] += len(forced)
 
 
 def end(drafter: Any) -> None:
-    """End of drafter.propose (also on error): roll every shadow back to
-    the committed state."""
+    """End of drafter.propose (also on error): the walk's bookkeeping (the
+    shadows keep the walked drafts until the next `advance`)."""
     t = drafter.__dict__.get(TRACKER_ATTR)
     if t is None or t.rows is None:
         return
     t0 = time.thread_time_ns()
     sample = t.cost.wants_fill_sample()
-    _rollback_each([shadow for _, shadow in t.rows.values()])
+    # The shadows stay where the walk left them: the next advance keeps the
+    # drafts the target accepted and rolls back the rest.
     for req_id, shadow in t.rows.values():
         if sample:
+            _rollback_each([shadow])  # a verification row: committed state
             sample = not _time_row_fill(t, shadow)
-        shadow.walked = 0
         if shadow.changed_at is not None:
             t.changed[req_id] = shadow.changed_at
         t.last_walk[req_id] = (shadow.forced or shadow.probe,
@@ -979,7 +1020,7 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             if not ok:
                 sh.walking = False
                 continue
-            sh.walked += 1
+            sh.path.append(token)
             if _ends_at(sh, token):
                 sh.walking = False
                 t.limits[sh.req_id] = pos
@@ -1100,7 +1141,7 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             if pos + 1 < len(sh.forced):
                 continue  # the shadow already stands after the continuation
         else:
-            sh.walked += 1
+            sh.path.append(token)
         if _ends_at(sh, token):
             sh.walking = False
             t.limits[sh.req_id] = pos + 1
@@ -1147,7 +1188,7 @@ def _masked_argmax(t: Tracker, logits: Any, ids: Any, bitmask: Any,
             if not ok:
                 sh.walking = False
                 continue
-            sh.walked += 1
+            sh.path.append(token)
             if _ends_at(sh, token):
                 sh.walking = False
                 t.limits[sh.req_id] = pos + 1
@@ -1196,7 +1237,7 @@ def _sample_masked(t: Tracker, drafter: Any, logits: Any,
         if not _try(sh, int(token)):
             sh.walking = False
             continue
-        sh.walked += 1
+        sh.path.append(int(token))
         if _ended(sh):
             sh.walking = False
             t.limits[sh.req_id] = pos + 1
