@@ -12,8 +12,17 @@ grammar the scheduler owns is never touched (under async scheduling the
 scheduler advances it on another thread). The shadow is advanced with the
 tokens this runner sampled in each step (accepted drafts + bonus token; it
 sees them in `prepare_next_token_ids_*`, right before it drafts), walked
-forward position by position while drafting and rolled back after, so it
-is in step in sync and async scheduling alike.
+forward position by position while drafting, and left there: the next
+advance keeps the walked drafts the target committed (the same tokens, so
+the same grammar state) and rolls back only the rest, so it is in step in
+sync and async scheduling alike and an accepted draft is not accepted by
+the grammar a second time.
+
+xgrammar's shadows are advanced, tried and rolled back for the whole
+batch at once (`BatchGrammarMatcher.batch_accept_token` /
+`batch_rollback` on the matchers' handles: one C++ call per token column
+or candidate rank instead of one per row); the other backends row by row
+through vLLM's grammar API.
 
 Whose backend compiles the shadow:
 - In-process executor (the worker runs in the engine-core process, one
