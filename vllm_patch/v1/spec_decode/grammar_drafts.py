@@ -1010,7 +1010,15 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
     # 1. candidates (and the previous position's masked argmax tokens).
     d0 = time.thread_time_ns()
     if upfront and m > 1:
-        cand_dev = (logits if whole else logits[idx]).topk(m, dim=-1).indices
+        if whole:
+            cand_dev = logits.topk(m, dim=-1).indices
+        elif 2 * len(index) >= ids.shape[0]:
+            # Most rows walk: the top-k of every row, then the walking
+            # rows' [rows, m] candidates (each row's top-k is its own), not
+            # a gather of their [rows, vocab] logits first.
+            cand_dev = logits.topk(m, dim=-1).indices[idx]
+        else:
+            cand_dev = logits[idx].topk(m, dim=-1).indices
     else:
         cand_dev = (ids if whole else ids[idx]).unsqueeze(1)
     t.stats["device_ns"] += time.thread_time_ns() - d0
