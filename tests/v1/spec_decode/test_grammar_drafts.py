@@ -374,3 +374,55 @@ def test_forced_continuation_ahead_of_model_drafts(patched, monkeypatch):
     stats = gd.stats(drafter)
     assert stats["forced_ahead"] >= n, stats
     assert h.grammar(rid).validate_tokens(drafts[0]) == drafts[0]
+
+
+def _allowed(grammar, vocab):
+    words = (vocab + 31) // 32
+    mask = torch.full((1, words), -1, dtype=torch.int32)
+    grammar.fill_bitmask(mask, 0)
+    return mask
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+@pytest.mark.parametrize("accepted", [0, 1, 2])
+def test_advance_after_a_walk_matches_the_committed_grammar(
+        backend, accepted, patched, monkeypatch):
+    """The shadows keep the walked drafts after a propose; the next advance
+    keeps what the target committed of them (the accepted drafts, then the
+    target's own token) and rolls back the rest. Whatever the target took,
+    every shadow then allows exactly what the committed grammar allows."""
+    if not patched:
+        pytest.skip("no shadows in stock vLLM")
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    h, rids, requests = _setup(backend)
+    vocab = h.vllm_config.model_config.get_vocab_size()
+    drafter = _drafter(h.vllm_config)
+    drafts, _ = _draft(h, drafter, rids, requests, h.tok("x"))
+    t = drafter.__dict__[gd.TRACKER_ATTR]
+    walked = {rid: list(t.shadows[rid].path) for rid in rids[:2]}
+    assert any(walked.values())  # the walk's drafts are still walked
+    sampled = []
+    for rid, d in zip(rids, drafts):
+        if rid not in walked:
+            sampled.append([-1])
+            continue
+        took = d[:accepted]
+        # The target's own token after the accepted drafts: one the
+        # committed grammar allows that differs from the next draft.
+        g = h.grammar(rid)
+        assert g.accept_tokens(rid, took)
+        mask = gd.allowed_mask(_allowed(g, vocab), vocab)[0]
+        nxt = d[accepted] if accepted < len(d) else None
+        allowed = [int(x) for x in mask.nonzero()[:, 0]]
+        other = [x for x in allowed if x != nxt] or allowed
+        tokens = took + ([other[0]] if other and not g.is_terminated() else [])
+        if len(tokens) > len(took):
+            assert g.accept_tokens(rid, tokens[len(took):])
+        sampled.append(tokens)
+    gd.advance(drafter, requests, rids, sampled, [False] * len(rids))
+    for rid in rids[:2]:
+        sh = t.shadows[rid]
+        assert sh.path == []
+        assert torch.equal(_allowed(sh.grammar, vocab),
+                           _allowed(h.grammar(rid), vocab)), rid

@@ -314,7 +314,13 @@ def forced_tokens(grammar: Any, recent: Sequence[int], tokenizer: Any,
 
     # Rule 3 first: the grammar must take the candidates (it walks them;
     # rule 2 checks bytes at the state after them).
-    n = len(grammar.validate_tokens(new)) if new else 0
+    matcher = _xgrammar_matcher(grammar)
+    if matcher is not None:
+        # One pass: the grammar takes the candidates it accepts (as vLLM's
+        # validate_tokens would count them) and stands after them.
+        n = _accept_prefix(grammar, matcher, new)
+    else:
+        n = len(grammar.validate_tokens(new)) if new else 0
     new, ends = new[:n], ends[:n]
     end = ends[-1] if ends else 0
     lo = max(0, end - vocab.max_len)
@@ -322,16 +328,26 @@ def forced_tokens(grammar: Any, recent: Sequence[int], tokenizer: Any,
         # The first k tokens end before any token could reach past the end
         # of the forced text: no cut needed.
         keep = new[:k]
-        if keep_walked:
+        if matcher is not None:
+            undo = n - (k if keep_walked else 0)
+            if undo:
+                grammar.rollback(undo)
+        elif keep_walked:
             grammar.accept_tokens(request_id, keep)
         return _done(outcome, "ok", keep)
-    if not new or not grammar.accept_tokens(request_id, new):
+    if matcher is None and new \
+            and not grammar.accept_tokens(request_id, new):
+        return _done(outcome, "cut", [])
+    if not new:
         return _done(outcome, "cut", [])
     cut = end
     data = forced[:end]
+    # Whether the grammar allows a byte next (one state: after the forced
+    # text): asked once per byte however many offsets share it.
+    allowed: dict[int, bool] = {}
     for p in range(lo, end):
         follow = vocab.next_bytes(data[p:])
-        if follow and _any_byte_allowed(grammar, vocab, follow):
+        if follow and _any_byte_allowed(grammar, vocab, follow, allowed):
             cut = p
             break
     keep = [t for t, e in zip(new, ends) if e <= cut][:k]
@@ -341,14 +357,51 @@ def forced_tokens(grammar: Any, recent: Sequence[int], tokenizer: Any,
     return _done(outcome, "ok" if keep else "cut", keep)
 
 
-def _any_byte_allowed(grammar: Any, vocab: Vocab,
-                      follow: tuple[int, ...]) -> bool:
+def _xgrammar_matcher(grammar: Any) -> Any:
+    """The xgrammar matcher under vLLM's grammar object, else None."""
+    try:
+        from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+    except Exception:  # noqa: BLE001 - no xgrammar backend here
+        return None
+    return grammar.matcher if isinstance(grammar, XgrammarGrammar) else None
+
+
+def _accept_prefix(grammar: Any, matcher: Any, tokens: Sequence[int]) -> int:
+    """Advance an xgrammar grammar by the longest prefix of `tokens` it
+    accepts, as vLLM's `validate_tokens` counts it (nothing once ended,
+    and up to a token that ends it); vLLM's object kept in step (its
+    `rollback` undoes them). Returns how many it took."""
+    if grammar.is_terminated():
+        return 0
+    n = 0
+    for token in tokens:
+        if not matcher.accept_token(token):
+            break
+        n += 1
+        if matcher.is_terminated():
+            break
+    grammar.num_processed_tokens += n
+    grammar._is_terminated = matcher.is_terminated()
+    return n
+
+
+def _any_byte_allowed(grammar: Any, vocab: Vocab, follow: tuple[int, ...],
+                      known: dict[int, bool] | None = None) -> bool:
     """Does the grammar (at its current state) allow one of these bytes
     next? Checked with each byte's single-byte token; a byte without one
-    counts as allowed (the rule then cuts: the safe side)."""
+    counts as allowed (the rule then cuts: the safe side). `known`: the
+    answers so far at this same state (read and filled)."""
     for byte in follow:
-        t = vocab.byte_token.get(byte)
-        if t is None or grammar.validate_tokens([t]):
+        if known is not None:
+            ok = known.get(byte)
+            if ok is None:
+                t = vocab.byte_token.get(byte)
+                ok = known[byte] = t is None or bool(
+                    grammar.validate_tokens([t]))
+        else:
+            t = vocab.byte_token.get(byte)
+            ok = t is None or bool(grammar.validate_tokens([t]))
+        if ok:
             return True
     return False
 

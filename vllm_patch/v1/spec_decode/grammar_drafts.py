@@ -12,8 +12,17 @@ grammar the scheduler owns is never touched (under async scheduling the
 scheduler advances it on another thread). The shadow is advanced with the
 tokens this runner sampled in each step (accepted drafts + bonus token; it
 sees them in `prepare_next_token_ids_*`, right before it drafts), walked
-forward position by position while drafting and rolled back after, so it
-is in step in sync and async scheduling alike.
+forward position by position while drafting, and left there: the next
+advance keeps the walked drafts the target committed (the same tokens, so
+the same grammar state) and rolls back only the rest, so it is in step in
+sync and async scheduling alike and an accepted draft is not accepted by
+the grammar a second time.
+
+xgrammar's shadows are advanced, tried and rolled back for the whole
+batch at once (`BatchGrammarMatcher.batch_accept_token` /
+`batch_rollback` on the matchers' handles: one C++ call per token column
+or candidate rank instead of one per row); the other backends row by row
+through vLLM's grammar API.
 
 Whose backend compiles the shadow:
 - In-process executor (the worker runs in the engine-core process, one
@@ -116,8 +125,12 @@ class Shadow:
     # call per token, vLLM's wrapper bypassed for the shadow's whole life so
     # its counters never disagree); None: the backend-neutral vLLM API.
     matcher: Any = None
-    # Tokens walked forward while drafting in this step (rolled back after).
-    walked: int = 0
+    # Tokens the shadow stands after, beyond the committed state: walked
+    # while drafting, kept after the propose (not rolled back there) until
+    # the next `advance`, which keeps what the target committed of them
+    # and rolls back only the rest (most accepted drafts are then not
+    # accepted by the grammar a second time).
+    path: list[int] = field(default_factory=list)
     # Still walking in this step (False after the grammar ended or refused).
     walking: bool = True
     # First draft position of this step the walk changed (the cost model's
@@ -129,6 +142,23 @@ class Shadow:
     forced: list[int] = field(default_factory=list)
     # ... computed but not drafted (to be judged against the target's).
     probe: list[int] = field(default_factory=list)
+    # xgrammar: the matcher's handle for the batched calls and its stop
+    # tokens (its grammar ends exactly when it accepts one of them:
+    # vLLM's matchers keep xgrammar's terminate_without_stop_token off).
+    handle: Any = None
+    stops: frozenset = frozenset()
+    # The committed state has ended (the grammar took a stop token; kept by
+    # `advance`, the only place the committed state moves).
+    ended: bool = False
+
+    @property
+    def walked(self) -> int:
+        return len(self.path)
+
+    def __post_init__(self) -> None:
+        if self.matcher is not None:
+            self.handle = self.matcher._handle
+            self.stops = frozenset(int(x) for x in self.matcher.stop_token_ids)
 
 
 def _matcher_of(grammar: Any) -> Any:
@@ -140,6 +170,158 @@ def _matcher_of(grammar: Any) -> Any:
 def _ended(sh: Shadow) -> bool:
     return sh.matcher.is_terminated() if sh.matcher is not None \
         else sh.grammar.is_terminated()
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _committed_ended(sh: Shadow) -> bool:
+    """Has the shadow's committed state ended? (xgrammar: kept by
+    `advance`; no call.)"""
+    return sh.ended if sh.matcher is not None else sh.grammar.is_terminated()
+
+
+def _ends_at(sh: Shadow, token: int) -> bool:
+    """After the shadow accepted `token`: has its grammar ended? (xgrammar:
+    only a stop token ends it, so other tokens need no call.)"""
+    if sh.matcher is not None:
+        return token in sh.stops and sh.matcher.is_terminated()
+    return sh.grammar.is_terminated()
+
+
+def _batch_api() -> Any:
+    """xgrammar's batched matcher calls on raw handles (one C++ call for
+    the batch; the Python wrapper's own per-call conversions cost more
+    than the calls): None where this xgrammar lacks them."""
+    global _BATCH
+    if _BATCH is False:
+        try:
+            from xgrammar.base import _core
+
+            api = _core.BatchGrammarMatcher
+            _BATCH = api if hasattr(api, "batch_accept_token") \
+                and hasattr(api, "batch_rollback") else None
+        except Exception:  # noqa: BLE001 - an xgrammar without them
+            _BATCH = None
+    return _BATCH
+
+
+_BATCH: Any = False
+
+
+def _flags(array: Any, n: int) -> list[bool]:
+    """The batched accept's n results as Python bools. Its result is a
+    tvm-ffi Array, whose iteration costs a Python generator step and a
+    foreign call per element (about 0.6 us: more than the accept itself):
+    read in one call through its printed form, "(1, 0, ...)", checked
+    element by element, else element by element."""
+    try:
+        from tvm_ffi import container
+
+        api = container._ffi_api
+        text = api.ReprPrint(array)
+        if text[:1] == "(" and text[-1:] == ")":
+            items = text[1:-1].rstrip(",").split(", ")
+            if len(items) == n and all(x in ("0", "1") for x in items):
+                return [x == "1" for x in items]
+        return [bool(api.ArrayGetItem(array, i)) for i in range(n)]
+    except Exception:  # noqa: BLE001 - another FFI: its own iteration
+        return [bool(x) for x in array]
+
+
+def _try_each(shadows: Sequence[Shadow], tokens: Sequence[int]) -> list[bool]:
+    """`_try(shadows[i], tokens[i])` for every i: xgrammar's shadows in one
+    batched call, the others one by one. Same outcome as the loop: each
+    shadow's try touches its own grammar only."""
+    n = len(shadows)
+    if n == 0:
+        return []
+    api = _batch_api() if n > 1 else None
+    if api is None:
+        return [_try(sh, tok) for sh, tok in zip(shadows, tokens)]
+    fast = [j for j in range(n) if shadows[j].handle is not None]
+    if len(fast) == n:
+        return _flags(api.batch_accept_token(
+            [sh.handle for sh in shadows], list(tokens), False), n)
+    out = [False] * n
+    if fast:
+        got = _flags(api.batch_accept_token(
+            [shadows[j].handle for j in fast], [tokens[j] for j in fast],
+            False), len(fast))
+        for j, ok in zip(fast, got):
+            out[j] = bool(ok)
+    for j in range(n):
+        if shadows[j].handle is None:
+            out[j] = _try(shadows[j], tokens[j])
+    return out
+
+
+def _try_all_each(shadows: Sequence[Shadow],
+                  tokens: Sequence[Sequence[int]]) -> list[bool]:
+    """`_try_all(shadows[i], tokens[i])` for every i: xgrammar's shadows
+    advance one column of tokens per batched call (a refusal rolls that
+    shadow back to where it was), the others one by one."""
+    out = [True] * len(shadows)
+    api = _batch_api() if len(shadows) > 1 else None
+    active = []
+    for j, (sh, toks) in enumerate(zip(shadows, tokens)):
+        if api is None or sh.handle is None:
+            out[j] = _try_all(sh, list(toks))
+        elif toks:
+            active.append(j)
+    depth = 0
+    while active:
+        got = _flags(api.batch_accept_token(
+            [shadows[j].handle for j in active],
+            [tokens[j][depth] for j in active], False), len(active))
+        nxt = []
+        for j, ok in zip(active, got):
+            if not ok:
+                out[j] = False
+                if depth:
+                    shadows[j].matcher.rollback(depth)
+            elif depth + 1 < len(tokens[j]):
+                nxt.append(j)
+        active = nxt
+        depth += 1
+    return out
+
+
+def _rollback_each(shadows: Sequence[Shadow],
+                   keep: Sequence[int] | None = None) -> None:
+    """Every shadow back to its committed state plus the first `keep[i]`
+    tokens of its path (none by default): xgrammar's in one batched call.
+    As `_rollback`, vLLM's grammar object agrees with its matcher after it.
+    """
+    undo = [(sh, sh.walked - (keep[j] if keep is not None else 0))
+            for j, sh in enumerate(shadows)]
+    undo = [(sh, n) for sh, n in undo if n > 0]
+    api = _batch_api()
+    fast = [(sh, n) for sh, n in undo if sh.handle is not None] \
+        if api is not None else []
+    if len(fast) > 1:
+        api.batch_rollback([sh.handle for sh, _ in fast],
+                           [n for _, n in fast])
+        for sh, n in fast:
+            g = sh.grammar
+            g.num_processed_tokens -= n
+            # Before its end: it walked on after this state.
+            g._is_terminated = False
+            del sh.path[len(sh.path) - n:]
+    else:
+        fast = []
+    done = {id(sh) for sh, _ in fast}
+    for sh, n in undo:
+        if id(sh) not in done:
+            _rollback(sh, n)
+            del sh.path[len(sh.path) - n:]
 
 
 def _try(sh: Shadow, token: int) -> bool:
@@ -473,8 +655,10 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     if last_walk and t.forced_choice is not None:
         t.forced_choice.tick()
     batch_tokens = gain = extra_rows = 0
+    # Shadows to advance, and by what: all of them in batched calls below.
+    todo: list[tuple[str, Shadow, list[int]]] = []
     for i, req_id in enumerate(req_ids):
-        tokens = [int(x) for x in sampled[i] if int(x) >= 0] \
+        tokens = [x for x in map(int, sampled[i]) if x >= 0] \
             if i < len(sampled) else []
         batch_tokens += len(tokens)
         if req_id is None or (i < len(skip) and skip[i]):
@@ -521,12 +705,34 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
                                                             len(forced))
                 if t.forced_choice is not None:
                     t.forced_choice.judge(forced, drafted, drafts, tokens)
-        if tokens and (_ended(shadow) or not _try_all(shadow, tokens)):
-            del t.shadows[req_id]
-            t.lost.add(req_id)
-            t.stats["shadows_lost"] += 1
-        elif tokens:
+        if tokens:
+            todo.append((req_id, shadow, tokens))
+    # A shadow whose grammar had ended takes no token: lost, as a refusal.
+    ended = [e for e in todo if _committed_ended(e[1])]
+    todo = [e for e in todo if not _committed_ended(e[1])]
+    # Shadows that stand after the last walk: the committed tokens' common
+    # prefix with the walked ones is kept (the same tokens, so the same
+    # grammar state), the rest of the walk rolled back; only the tokens
+    # after that prefix are accepted now.
+    walked = [sh for _, sh, _ in todo if sh.path]
+    keep = {id(sh): _common(sh.path, toks) for _, sh, toks in todo
+            if sh.path}
+    _rollback_each(walked, [keep[id(sh)] for sh in walked])
+    took = _try_all_each(
+        [sh for _, sh, _ in todo],
+        [x[keep.pop(id(sh), 0):] for _, sh, x in todo])
+    for sh in walked:
+        sh.path = []
+    for (req_id, shadow, tokens), ok in zip(todo, took):
+        if ok:
             shadow.tail = (shadow.tail + tokens)[-CONTEXT_TOKENS:]
+            shadow.ended = _ends_at(shadow, tokens[-1])
+        else:
+            ended.append((req_id, shadow, tokens))
+    for req_id, _, _ in ended:
+        del t.shadows[req_id]
+        t.lost.add(req_id)
+        t.stats["shadows_lost"] += 1
     t.stats["gain_tokens"] += gain
     t.cost.observe(batch_tokens, gain, extra_rows)
     t.cost.charge(t0, upkeep=True)
@@ -556,12 +762,15 @@ def begin(drafter: Any, batch_size: int) -> None:
     t.pending = None
     rows: dict[int, tuple[str, Shadow]] = {}
     if len(t.batch_req_ids) == batch_size:
+        # A walk the last advance did not settle (its request committed
+        # nothing since): back to the committed state first.
+        _rollback_each([sh for sh in map(t.shadows.get, t.batch_req_ids)
+                        if sh is not None and sh.path])
         for i, req_id in enumerate(t.batch_req_ids):
             shadow = t.shadows.get(req_id)
             if shadow is not None:
-                shadow.walked = 0
                 shadow.changed_at = None
-                shadow.walking = not _ended(shadow)
+                shadow.walking = not _committed_ended(shadow)
                 if shadow.walking:
                     rows[i] = (req_id, shadow)
                 else:
@@ -609,24 +818,24 @@ def _forced_ahead(t: Tracker, rows: dict[int, tuple[str, Shadow]],
             t.stats["forced_probed"] += len(forced)
         elif forced:
             shadow.forced = forced
-            shadow.walked = len(forced)
+            shadow.path = list(forced)
             t.stats["forced_ahead"] += len(forced)
 
 
 def end(drafter: Any) -> None:
-    """End of drafter.propose (also on error): roll every shadow back to
-    the committed state."""
+    """End of drafter.propose (also on error): the walk's bookkeeping (the
+    shadows keep the walked drafts until the next `advance`)."""
     t = drafter.__dict__.get(TRACKER_ATTR)
     if t is None or t.rows is None:
         return
     t0 = time.thread_time_ns()
     sample = t.cost.wants_fill_sample()
+    # The shadows stay where the walk left them: the next advance keeps the
+    # drafts the target accepted and rolls back the rest.
     for req_id, shadow in t.rows.values():
-        if shadow.walked:
-            _rollback(shadow, shadow.walked)
         if sample:
+            _rollback_each([shadow])  # a verification row: committed state
             sample = not _time_row_fill(t, shadow)
-        shadow.walked = 0
         if shadow.changed_at is not None:
             t.changed[req_id] = shadow.changed_at
         t.last_walk[req_id] = (shadow.forced or shadow.probe,
@@ -737,9 +946,11 @@ def _to_host(t: Tracker, tensor: Any) -> list:
 
 
 def _to_device(t: Tracker, values: list[int], device: Any) -> Any:
+    import numpy as np
     import torch
 
-    out = torch.tensor(values, dtype=torch.long)
+    # Through numpy: a third of torch.tensor's time for a list of ints.
+    out = torch.from_numpy(np.array(values, dtype=np.int64))
     t.stats["h2d_bytes"] += out.numel() * out.element_size()
     return out.to(device, non_blocking=True) if str(device) != "cpu" else out
 
@@ -792,13 +1003,24 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
     upfront = CANDIDATES_UPFRONT if CANDIDATES_UPFRONT is not None \
         else device.type != "cpu"
     index = [i for i, _ in rows]
-    idx = _to_device(t, index, device)
+    # Every row of the batch, in order (a batch of structured requests):
+    # no gather (on a GPU, a copy of the whole [rows, vocab] logits).
+    whole = len(index) == ids.shape[0] and index == list(range(len(index)))
+    idx = None if whole else _to_device(t, index, device)
     # 1. candidates (and the previous position's masked argmax tokens).
     d0 = time.thread_time_ns()
     if upfront and m > 1:
-        cand_dev = logits[idx].topk(m, dim=-1).indices
+        if whole:
+            cand_dev = logits.topk(m, dim=-1).indices
+        elif 2 * len(index) >= ids.shape[0]:
+            # Most rows walk: the top-k of every row, then the walking
+            # rows' [rows, m] candidates (each row's top-k is its own), not
+            # a gather of their [rows, vocab] logits first.
+            cand_dev = logits.topk(m, dim=-1).indices[idx]
+        else:
+            cand_dev = logits[idx].topk(m, dim=-1).indices
     else:
-        cand_dev = ids[idx].unsqueeze(1)
+        cand_dev = (ids if whole else ids[idx]).unsqueeze(1)
     t.stats["device_ns"] += time.thread_time_ns() - d0
     pending, t.pending = t.pending, None
     parts = [cand_dev.reshape(-1)]
@@ -806,52 +1028,65 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
         parts.append(pending[1].reshape(-1))
     flat = _to_host(t, torch.cat(parts) if len(parts) > 1 else parts[0])
     width = cand_dev.shape[1]
-    cands = [flat[r * width:(r + 1) * width] for r in range(len(rows))]
+    n = len(rows)
+    firsts = flat[0:n * width:width]
     if pending is not None:
-        for sh, token in zip(pending[0], flat[len(rows) * width:]):
-            if not _try(sh, int(token)):
+        shadows = pending[0]
+        tokens = flat[n * width:]
+        for sh, token, ok in zip(shadows, tokens, _try_each(shadows, tokens)):
+            if not ok:
                 sh.walking = False
                 continue
-            sh.walked += 1
-            if _ended(sh):
+            sh.path.append(token)
+            if _ends_at(sh, token):
                 sh.walking = False
                 t.limits[sh.req_id] = pos
                 t.stats["ended"] += 1
-    live = [r for r, (_, sh) in enumerate(rows) if sh.walking]
-    # 2. the first candidate each shadow accepts.
+    # 2. the first candidate each shadow accepts (the rows' tries batched:
+    # one call per candidate rank; each row tries its candidates in order).
     chosen: dict[int, int] = {}
     by_mask: set[int] = set()  # chosen among the drafter's next best
     stuck: set[int] = set()  # chosen, but the shadow did not advance
-    todo: list[int] = []
     ahead: set[int] = set()  # the forced continuation's draft (walked)
-    for r in live:
+    tries: list[int] = []
+    for r in range(n):
         sh = rows[r][1]
+        if not sh.walking:
+            continue
         if pos < len(sh.forced):
             chosen[r] = sh.forced[pos]
             ahead.add(r)
-        elif _try(sh, int(cands[r][0])):
-            chosen[r] = int(cands[r][0])
+        else:
+            tries.append(r)
+    todo: list[int] = []
+    for r, ok in zip(tries, _try_each([rows[r][1] for r in tries],
+                                      [firsts[r] for r in tries])):
+        if ok:
+            chosen[r] = firsts[r]
         else:
             todo.append(r)
     if todo and m > 1:
-        if not upfront:
+        if upfront:
+            more = {r: flat[r * width:(r + 1) * width] for r in todo}
+        else:
             d0 = time.thread_time_ns()
             top = logits[_to_device(t, [index[r] for r in todo],
                                     device)].topk(m, dim=-1).indices
             t.stats["device_ns"] += time.thread_time_ns() - d0
-            more = _to_host(t, top)
-            for r, row in zip(todo, more):
-                cands[r] = row
-        left = []
-        for r in todo:
-            token = next((int(c) for c in cands[r][1:]
-                          if _try(rows[r][1], int(c))), None)
-            if token is None:
-                left.append(r)
-            else:
-                chosen[r] = token
-                by_mask.add(r)
-        todo = left
+            more = dict(zip(todo, _to_host(t, top)))
+        for c in range(1, m):
+            if not todo:
+                break
+            tokens = [more[r][c] for r in todo]
+            left = []
+            for r, token, ok in zip(todo, tokens, _try_each(
+                    [rows[r][1] for r in todo], tokens)):
+                if ok:
+                    chosen[r] = token
+                    by_mask.add(r)
+                else:
+                    left.append(r)
+            todo = left
     # 3. a bitmask only for rows that refused every candidate.
     masked_rows: list[int] = []
     if todo:
@@ -905,10 +1140,10 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
         d0 = time.thread_time_ns()
         ids[at] = values
         t.stats["device_ns"] += time.thread_time_ns() - d0
+    t.stats["positions"] += len(chosen)
     for r, token in chosen.items():
         sh = rows[r][1]
-        t.stats["positions"] += 1
-        if token != int(cands[r][0]):
+        if token != firsts[r]:
             if r in by_mask:
                 t.stats["masked_changed"] += 1
             if sh.changed_at is None:
@@ -923,8 +1158,8 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             if pos + 1 < len(sh.forced):
                 continue  # the shadow already stands after the continuation
         else:
-            sh.walked += 1
-        if _ended(sh):
+            sh.path.append(token)
+        if _ends_at(sh, token):
             sh.walking = False
             t.limits[sh.req_id] = pos + 1
             t.stats["ended"] += 1
@@ -965,12 +1200,13 @@ def _masked_argmax(t: Tracker, logits: Any, ids: Any, bitmask: Any,
         if sh.changed_at is None:
             sh.changed_at = pos
     if not defer:
-        for sh, token in zip(shadows, _to_host(t, tokens)):
-            if not _try(sh, int(token)):
+        host = _to_host(t, tokens)
+        for sh, token, ok in zip(shadows, host, _try_each(shadows, host)):
+            if not ok:
                 sh.walking = False
                 continue
-            sh.walked += 1
-            if _ended(sh):
+            sh.path.append(token)
+            if _ends_at(sh, token):
                 sh.walking = False
                 t.limits[sh.req_id] = pos + 1
                 t.stats["ended"] += 1
@@ -1018,7 +1254,7 @@ def _sample_masked(t: Tracker, drafter: Any, logits: Any,
         if not _try(sh, int(token)):
             sh.walking = False
             continue
-        sh.walked += 1
+        sh.path.append(int(token))
         if _ended(sh):
             sh.walking = False
             t.limits[sh.req_id] = pos + 1
