@@ -759,6 +759,9 @@ def test_a_node_lost_with_survivors_keeps_serving_and_rejoins(ray_cluster):
                 f"{survivor.name}" in text, text
             for _ in range(4):  # every request on the survivor, none fails
                 assert ask(dep.url)["served_by"]["port"] == survivor.status["port"]
+            # /health: 503 while it is lost (the deployment is not whole)
+            r = requests.get(dep.url + "/health", timeout=30)
+            assert r.status_code == 503 and r.json()[lost.url] == 599, r.text
             assert [s["state"] for s in dep.poll()].count("lost") == 1
             # the node back (a new Ray worker with the decode resource)
             extra = ray_cluster.add_node(num_cpus=1, resources={"decode_node": 1})
@@ -771,6 +774,7 @@ def test_a_node_lost_with_survivors_keeps_serving_and_rejoins(ray_cluster):
             served = {ask(dep.url)["served_by"]["port"] for _ in range(4)}
             assert served == {d.status["port"] for d in dep.role_instances("decode")}
             assert len(served) == 2
+            assert requests.get(dep.url + "/health", timeout=30).status_code == 200
     finally:
         if extra is not None:
             ray_cluster.remove_node(extra)

@@ -24,7 +24,7 @@ import pytest
 
 from vllm_patch.testing import workload as wl
 
-from .test_multinode import (REQUEST_BOUND_S, _batch, _check_stop_valid, _client, _health,
+from .test_multinode import (CONTROL_CHARS, REQUEST_BOUND_S, _batch, _check_stop_valid, _client, _health,
                              _idle, _launch, _long_requests, _requests, _schemas,
                              _servers_on)
 
@@ -130,6 +130,7 @@ def test_a_server_killed_on_its_node_under_load(cluster):
     launcher.send_signal(signal.SIGINT)
     code = launcher.wait(timeout=180)
     report["stop"] = {"exit": code}
+    report["stop_answers_with_raw_control_characters"] = len(CONTROL_CHARS)
     print("\nMULTINODE-FAULT " + json.dumps(report))
     assert code == 0, log.read_text()[-3000:]
     for n in "ABC":
@@ -262,6 +263,7 @@ def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
     assert all(v >= 2 for v in served.values()), served
     idle = _idle(ready["instances"])
     report["idle"] = idle
+    report["stop_answers_with_raw_control_characters"] = len(CONTROL_CHARS)
     print("\nMULTINODE-NODE-LOST " + json.dumps(report))
     assert wl.is_idle(idle), idle
 
@@ -353,6 +355,7 @@ def test_the_prefill_nodes_link_down_under_load(cluster):
     _check_stop_valid(reqs, outs)
     idle = _idle(ready["instances"])
     report["after"] = {"ok": 6, "idle": idle}
+    report["stop_answers_with_raw_control_characters"] = len(CONTROL_CHARS)
     print("\nMULTINODE-PREFILL-PARTITION " + json.dumps(report))
     assert wl.is_idle(idle), idle
     launcher.send_signal(signal.SIGINT)

@@ -667,7 +667,8 @@ class Deployment:
     def _update_router(self) -> None:
         if self.router is not None:
             self.router.set_instances([i.url for i in self.role_instances("prefill")],
-                                      [i.url for i in self.role_instances("decode")])
+                                      [i.url for i in self.role_instances("decode")],
+                                      [i.url for i in self.instances if not i.live])
 
     def _free_node(self, inst: Instance) -> str | None:
         """A node for a lost instance: an alive node with its role's

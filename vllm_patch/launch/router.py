@@ -32,7 +32,8 @@ own timeout (a short partition then only delays the request).
 
 GET /health: 200 when every instance answers /health with 200 within
 HEALTH_TIMEOUT_S; else 503; the body maps each instance to its status (599:
-no answer).
+no answer). An instance the launcher reports lost (set_instances) stays in
+it until it rejoins: 503 meanwhile, while the others serve.
 GET /metrics: the instances' metrics, each line labelled pd_role="prefill|decode"
 (an instance that does not answer within METRICS_TIMEOUT_S is left out).
 
@@ -176,17 +177,21 @@ class Router:
         self._d = itertools.count()
         # instance url -> when the router last failed to connect to it
         self.down: dict[str, float] = {}
+        self.lost: list[str] = []
         self._r = itertools.count()  # round robin of read-only requests
         self.timeout = ClientTimeout(total=timeout_s)
         self.session: ClientSession | None = None
         self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0,
                        "skipped": 0}
 
-    def set_instances(self, prefill: list[str], decode: list[str]) -> None:
+    def set_instances(self, prefill: list[str], decode: list[str],
+                      lost: list[str] = ()) -> None:
         """Replace the instances (in the router's event loop: see
-        ProxyThread.set_instances)."""
+        ProxyThread.set_instances); `lost`: instances no request goes to
+        that /health still reports (the deployment is not whole)."""
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
+        self.lost = [u.rstrip("/") for u in lost]
 
     def _order(self, urls: list[str], counter: itertools.count) -> list[str]:
         """The instances to try, round robin; those the router could not
@@ -401,7 +406,7 @@ class Router:
         """Every instance asked at once, each given HEALTH_TIMEOUT_S: an
         instance that does not answer (a node cut off) reads 599, and the
         router answers 503 well within a client's usual 10 s."""
-        urls = self.prefill + self.decode
+        urls = self.prefill + self.decode + self.lost
         res = await asyncio.gather(*(self._get(u + "/health", HEALTH_TIMEOUT_S)
                                      for u in urls))
         ok = all(s == 200 for s, _ in res)
@@ -502,10 +507,13 @@ class ProxyThread:
         if self.error is not None:
             raise RuntimeError(f"router cannot listen on {host}:{self.port}: {self.error}")
 
-    def set_instances(self, prefill: list[str], decode: list[str]) -> None:
+    def set_instances(self, prefill: list[str], decode: list[str],
+                      lost: list[str] = ()) -> None:
         """Replace the instances the router sends requests to (an instance
-        restarted at another address, one gone for good)."""
-        self._loop.call_soon_threadsafe(self.router.set_instances, prefill, decode)
+        restarted at another address, one gone for good); `lost` ones are
+        only in /health, which answers 503 while there are any."""
+        self._loop.call_soon_threadsafe(self.router.set_instances, prefill, decode,
+                                        list(lost))
 
     def stop(self) -> None:
         fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
