@@ -361,4 +361,7 @@ def test_the_prefill_nodes_link_down_under_load(cluster):
     launcher.send_signal(signal.SIGINT)
     assert launcher.wait(timeout=180) == 0, log.read_text()[-3000:]
     for n in "ABC":
-        assert _servers_on(c, n) == [], n
+        left = _servers_on(c, n)
+        assert left == [], (n, [open(f"/proc/{p}/cmdline", "rb").read()[:200]
+                                for p in left if os.path.exists(f"/proc/{p}")],
+                            log.read_text()[-3000:])
