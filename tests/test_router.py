@@ -287,3 +287,78 @@ def test_openai_client_models(stack):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="prefill-400", max_tokens=4)
     assert e.value.body == json.loads(BAD)["error"]
+
+
+def test_an_instance_that_refuses_is_skipped_and_decode_is_balanced(stack):
+    """Completions with a prefill and a decode instance down (connection
+    refused: a server killed) among live ones: every request is served by
+    a live instance, the two live decode instances take turns, and the
+    router says it skipped the dead ones."""
+    import requests
+
+    from vllm_patch.launch.router import ProxyThread
+    from vllm_patch.launch.supervisor import free_port
+
+    prefill, decode = stack[0].instances
+    seen: list = []
+    decode2 = Served(fake_instance("decode2", seen))
+    dead_p, dead_d = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    router = ProxyThread([dead_p, prefill], [dead_d, decode, decode2.url])
+    try:
+        before = len(stack[1])
+        for i in range(6):
+            r = requests.post(router.url + "/v1/completions",
+                              json={"model": "tiny", "prompt": f"p{i}"}, timeout=30)
+            assert r.status_code == 200, r.text
+        # decode2 served about half (round robin over the live two)
+        served2 = [b["prompt"] for role, _, b in seen if role == "decode2"]
+        served1 = [b["prompt"] for role, path, b in stack[1][before:]
+                   if role == "decode" and path == "/v1/completions"]
+        assert len(served1) + len(served2) == 6 and 2 <= len(served2) <= 4, \
+            (served1, served2)
+        assert router.router.counts["skipped"] >= 2
+        assert router.router.counts["prefill_errors"] == 0
+    finally:
+        router.stop()
+        decode2.stop()
+
+
+def test_a_decode_instance_lost_mid_stream_ends_with_an_error_event(stack):
+    """A decode server that dies mid-stream (its connection cut before the
+    stream's end): the client gets an OpenAI-format error event, on which
+    the official openai client raises APIError, not a stream that just
+    stops and looks finished."""
+    import openai
+    from aiohttp import web
+
+    from vllm_patch.launch.router import ProxyThread
+
+    async def dying(request):
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        chunk = {"id": "c", "object": "text_completion", "created": 0, "model": "tiny",
+                 "choices": [{"index": 0, "text": "he", "finish_reason": None,
+                              "logprobs": None}]}
+        await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await asyncio.sleep(0.2)
+        request.transport.close()  # the server killed: no end of the chunked body
+        return out
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", dying)
+    dec = Served(app)
+    router = ProxyThread([stack[0].instances[0]], [dec.url])
+    try:
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0,
+                               timeout=30)
+        text = ""
+        with pytest.raises(openai.APIError) as e:
+            for ev in client.completions.create(model="tiny", prompt="x", max_tokens=8,
+                                                stream=True):
+                text += ev.choices[0].text
+        assert text == "he"
+        assert e.value.body["type"] == "BadGatewayError", e.value.body
+        assert "mid-stream" in e.value.message
+    finally:
+        router.stop()
+        dec.stop()

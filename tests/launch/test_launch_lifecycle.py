@@ -710,3 +710,89 @@ def test_cli_errors_exit_nonzero(ray_cluster):
     r = subprocess.run([str(exe), "launch", "--prefill", "0"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "model: Field required" in r.stderr, r.stderr
+
+
+def _wait(dep: Deployment, cond, timeout_s: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        dep.poll()  # raises LaunchError if the deployment would stop
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_a_node_lost_with_survivors_keeps_serving_and_rejoins(ray_cluster):
+    """1 prefill + 2 decode, the decode instances on two nodes (a second
+    decode node is added for this test). The node of one decode instance
+    leaves the cluster (its Ray processes and its server killed): the deployment does not stop, says what
+    happened, and serves every request on the surviving decode instance;
+    when a node with the decode resource joins again, the lost instance is
+    started there and rejoins, and the router balances over both again.
+    (Before, the launcher stopped the whole deployment: "its supervisor
+    actor died".)"""
+    import ray
+
+    extra = ray_cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+    ray_cluster.wait_for_nodes()
+    lines: list[str] = []
+    try:
+        with Deployment(config(decode={"node_resource": "decode_node", "count": 2}),
+                        progress=lines.append) as dep:
+            decs = dep.role_instances("decode")
+            assert len({d.info["node_id"] for d in decs}) == 2  # spread
+            served = {ask(dep.url)["served_by"]["port"] for _ in range(4)}
+            assert served == {d.status["port"] for d in decs}  # balanced
+            lost = next(d for d in decs if d.info["node_id"] == extra.node_id)
+            survivor = next(d for d in decs if d is not lost)
+            pgid = lost.status["pid"]
+            pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+            # the node gone: its Ray processes killed, its server too (one
+            # host here: the server would outlive the raylet for a while)
+            ray_cluster.remove_node(extra, allow_graceful=False)
+            extra = None
+            os.killpg(pgid, signal.SIGKILL)
+            assert gone(pids) == []
+            _wait(dep, lambda: lost.lost_since is not None)
+            text = "\n".join(lines)
+            assert f"{lost.name} on node {lost.info['ip']} lost: its supervisor actor " \
+                "died" in text, text
+            assert f"The deployment keeps serving: decode requests go to " \
+                f"{survivor.name}" in text, text
+            for _ in range(4):  # every request on the survivor, none fails
+                assert ask(dep.url)["served_by"]["port"] == survivor.status["port"]
+            # /health: 503 while it is lost (the deployment is not whole)
+            r = requests.get(dep.url + "/health", timeout=30)
+            assert r.status_code == 503 and r.json()[lost.url] == 599, r.text
+            assert [s["state"] for s in dep.poll()].count("lost") == 1
+            # the node back (a new Ray worker with the decode resource)
+            extra = ray_cluster.add_node(num_cpus=1, resources={"decode_node": 1})
+            ray_cluster.wait_for_nodes()
+            _wait(dep, lambda: lost.live and lost.status.get("state") == "healthy")
+            assert lost.info["node_id"] == extra.node_id
+            text = "\n".join(lines)
+            assert f"{lost.name} started again on node" in text, text
+            assert f"{lost.name} rejoined: the router sends decode requests to " in text
+            served = {ask(dep.url)["served_by"]["port"] for _ in range(4)}
+            assert served == {d.status["port"] for d in dep.role_instances("decode")}
+            assert len(served) == 2
+            assert requests.get(dep.url + "/health", timeout=30).status_code == 200
+    finally:
+        if extra is not None:
+            ray_cluster.remove_node(extra)
+        assert ray.is_initialized()
+
+
+def test_the_last_instance_of_a_role_lost_still_stops(ray_cluster):
+    """With no other instance of its role, a dead supervisor stops the
+    deployment as before (nothing could serve that role)."""
+    with Deployment(config(decode={"node_resource": "decode_node", "count": 2})) as dep:
+        a, b = dep.role_instances("decode")  # both on the one decode node
+        os.kill(a.info["actor_pid"], signal.SIGKILL)
+        # a lost, then restarted on its own node (it is still in the cluster)
+        _wait(dep, lambda: a.lost_since is not None or a.rejoining or a.pending)
+        _wait(dep, lambda: a.live and a.status.get("state") == "healthy")
+        assert ask(dep.url)["served_by"]["role"] == "decode"
+        os.kill(a.info["actor_pid"], signal.SIGKILL)
+        os.kill(b.info["actor_pid"], signal.SIGKILL)
+        with pytest.raises(LaunchError, match="its supervisor actor died"):
+            deadline = time.monotonic() + 60
+            dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)

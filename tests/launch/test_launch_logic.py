@@ -95,6 +95,10 @@ def test_exit_cause_is_the_root_cause():
     assert exit_cause("(APIServer pid=1) WARNING 12-01 16:32:07 [x.py:1] "
                       "ValueError: ignored\n", -9) == "killed by SIGKILL"
     assert exit_cause("", 3) == "exit code 3"
+    # a server that served and was then SIGKILLed: its log's handled
+    # request errors are not why it exited
+    assert exit_cause("(APIServer pid=1) ERROR 12-04 18:25:10 [serving.py:1] "
+                      "RuntimeError: cancelled\n", -9) == "killed by SIGKILL"
     # the same error with other figures is the same error
     assert same_cause(cause, exit_cause(VLLM_LOG.replace("10.06", "9.87"), 1))
     assert not same_cause(cause, "OSError: [Errno 98] Address already in use")

@@ -42,3 +42,9 @@ def _cluster(**kw):
     finally:
         c.teardown()
         assert c.leftovers() == []
+
+
+@pytest.fixture
+def cluster_1p2d():
+    """A head (A), a prefill node (B) and two decode nodes (C, D)."""
+    yield from _cluster(roles="prefill,decode,decode")

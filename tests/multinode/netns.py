@@ -50,17 +50,21 @@ class Node:
 
 
 class Cluster:
-    def __init__(self, prefix: str = "vpmn", node_local: str | None = None) -> None:
+    def __init__(self, prefix: str = "vpmn", node_local: str | None = None,
+                 roles: str = "prefill,decode") -> None:
         """`node_local`: a folder name in the cluster's root that each worker
         node (B, C) sees as a folder of its own (root/<name>-<node> bound
         over root/<name> in the node's mount namespace, like a local disk at
-        the same path on each host); A and the test see root/<name> itself."""
+        the same path on each host); A and the test see root/<name> itself.
+        `roles`: the worker nodes' roles (B, C, D, ... in order; each gets
+        that custom resource and the label pd-role=<role>)."""
         tag = f"{prefix}{os.getpid() % 100000}"
         self.tag = tag
+        self.roles = dict(zip("BCDEF", roles.split(",")))
         self.bridge = f"{tag}br"[:15]
         self.nodes = {n: Node(n, f"{tag}-{n.lower()}", f"{SUBNET}.{11 + i}",
                               f"{tag}{n.lower()}"[:15])
-                      for i, n in enumerate("ABC")}
+                      for i, n in enumerate("A" + "".join(self.roles))}
         # short: Ray's AF_UNIX socket paths must fit in 107 bytes
         self.root = Path(f"/tmp/{tag}")
         self.node_local = node_local
@@ -125,24 +129,39 @@ class Cluster:
                          "--include-dashboard=false",
                          "--resources", json.dumps({"head": 1}), *common], "ray-A.log")
         time.sleep(3)
-        for n, res in (("B", "prefill"), ("C", "decode")):
-            args = ["ray", "start", "--address", self.address,
-                    "--node-ip-address", self.nodes[n].ip,
-                    "--resources", json.dumps({res: 1}),
-                    "--labels", json.dumps({"pd-role": res}), *common]
-            if self.node_local:
-                # `ip netns exec` runs in a mount namespace of its own (slave
-                # of the host's): this bind mount is seen by the node's Ray
-                # processes (raylet, actors, servers) only
-                shared, own = self.local_folder(None), self.local_folder(n)
-                shared.mkdir(exist_ok=True)
-                own.mkdir(exist_ok=True)
-                args = ["sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
-                        str(own), str(shared), *args]
-            self.spawn(n, args, f"ray-{n}.log")
+        for k, n in enumerate(self.roles):
+            self.start_worker(n)
             # one raylet at a time: on a busy 2-core host two registering at
             # once missed Ray's 30 s registration wait
-            self.wait_nodes(2 if n == "B" else 3, 180)
+            self.wait_nodes(k + 2, 180)
+
+    def start_worker(self, n: str) -> subprocess.Popen:
+        """Node n's Ray worker (`ray start --block`), with its role's
+        resource and label; again after stop_node(n): the node back."""
+        common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
+        res = self.roles[n]
+        args = ["ray", "start", "--address", self.address,
+                "--node-ip-address", self.nodes[n].ip,
+                "--resources", json.dumps({res: 1}),
+                "--labels", json.dumps({"pd-role": res}), *common]
+        if self.node_local:
+            # `ip netns exec` runs in a mount namespace of its own (slave
+            # of the host's): this bind mount is seen by the node's Ray
+            # processes (raylet, actors, servers) only
+            shared, own = self.local_folder(None), self.local_folder(n)
+            shared.mkdir(exist_ok=True)
+            own.mkdir(exist_ok=True)
+            args = ["sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
+                    str(own), str(shared), *args]
+        return self.spawn(n, args, f"ray-{n}.log")
+
+    def stop_node(self, n: str) -> None:
+        """Node n gone: every process in its namespace killed (its Ray
+        worker, the supervisor actors, the servers), as a host that dies."""
+        self.kill_node_processes(n)
+        deadline = time.monotonic() + 30
+        while self.nodes[n].pids() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def local_folder(self, node: str | None) -> Path:
         """The node-local folder as the host sees it: node B's or C's own,

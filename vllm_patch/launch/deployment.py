@@ -102,6 +102,20 @@ class Instance:
     actor: Any
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
     status: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # what its server was started with (a replacement gets the same)
+    memory_args: list[str] = dataclasses.field(default_factory=list)
+    bind: str | None = None
+    # lost: when its supervisor died or its node stayed unreachable while
+    # other instances of its role kept serving (None: not lost)
+    lost_since: float | None = None
+    # a replacement supervisor being placed: (actor, its node_info ref, when)
+    pending: tuple[Any, Any, float] | None = None
+    # started again, not healthy yet: the router does not send to it
+    rejoining: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.lost_since is None and not self.rejoining
 
     @property
     def name(self) -> str:
@@ -189,7 +203,8 @@ class Deployment:
         return self.router.url
 
     def role_instances(self, role: str) -> list[Instance]:
-        return [i for i in self.instances if i.role == role]
+        """The role's instances that serve (not lost, not rejoining)."""
+        return [i for i in self.instances if i.role == role and i.live]
 
     def metrics(self, role: str) -> dict[str, float]:
         """Prometheus metrics of a role, summed over its instances."""
@@ -321,21 +336,10 @@ class Deployment:
     def _place(self) -> None:
         import ray
 
-        actor_cls = ray.remote(InstanceSupervisor)
         for role in ROLES:
             rc = self.cfg.role(role)
             for i in range(rc.count):
-                opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0,
-                                        "max_concurrency": 4}
-                if rc.node_resource:
-                    opts["resources"] = {rc.node_resource: 0.001}
-                if rc.node_labels:
-                    opts["label_selector"] = dict(rc.node_labels)
-                if not rc.node_resource and not rc.node_labels:
-                    opts["scheduling_strategy"] = "SPREAD"
-                actor = actor_cls.options(**opts).remote(
-                    f"{role}-{i}", self.cfg.max_restarts, self.cfg.log_dir,
-                    deployment_id=self.id)
+                actor = self._new_actor(role, i, "SPREAD")
                 self.instances.append(Instance(role, i, actor))
         refs = [i.actor.node_info.remote() for i in self.instances]
         try:
@@ -348,6 +352,24 @@ class Deployment:
             inst.info = info
             self._say(f"{inst.name} placed on node {info['ip']} "
                       f"({(info['node_id'] or '?')[:12]})")
+
+    def _new_actor(self, role: str, index: int, strategy: Any) -> Any:
+        """A supervisor actor for instance `index` of `role` on a node with
+        the role's resources and labels; `strategy`: Ray's scheduling
+        strategy ("SPREAD": the role's instances on different nodes where
+        there are several)."""
+        import ray
+
+        rc = self.cfg.role(role)
+        opts: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0, "max_concurrency": 4,
+                                "scheduling_strategy": strategy}
+        if rc.node_resource:
+            opts["resources"] = {rc.node_resource: 0.001}
+        if rc.node_labels:
+            opts["label_selector"] = dict(rc.node_labels)
+        return ray.remote(InstanceSupervisor).options(**opts).remote(
+            f"{role}-{index}", self.cfg.max_restarts, self.cfg.log_dir,
+            deployment_id=self.id)
 
     def _env(self, inst: Instance, side_channel_port: int, bind: str | None) -> dict[str, str]:
         rc = self.cfg.role(inst.role)
@@ -527,20 +549,26 @@ class Deployment:
                           "instead", logging.WARNING)
         started = []
         for inst, p in zip(self.instances, ports):
-            rc = cfg.role(inst.role)
-            cmd = [*cfg.server_command, "--host", inst.info["ip"], "--port", str(p["port"]),
-                   "--model", cfg.model]
-            if cfg.served_model_name:
-                cmd += ["--served-model-name", cfg.served_model_name]
-            cmd += ["--kv-transfer-config", json.dumps(self._kv_config(inst)),
-                    *memory[inst.name], *cfg.vllm_args, *rc.vllm_args]
-            env = self._env(inst, p["side_channel_port"], binds[inst.name])
-            started.append(inst.actor.start.remote(cmd, env, p["port"]))
+            inst.memory_args, inst.bind = memory[inst.name], binds[inst.name]
+            started.append(self._start_server(inst, p))
         for inst, st in zip(self.instances, ray.get(started, timeout=60)):
             inst.status = st
             bind = binds[inst.name]
             self._say(f"{inst.name} starting: {st['url']} pid {st['pid']}"
                       + (f", cores {bind}" if bind else "") + f", log {st['log']}")
+
+    def _start_server(self, inst: Instance, ports: dict[str, int]) -> Any:
+        """Its supervisor's start() call (a Ray ref)."""
+        cfg = self.cfg
+        rc = cfg.role(inst.role)
+        cmd = [*cfg.server_command, "--host", inst.info["ip"], "--port",
+               str(ports["port"]), "--model", cfg.model]
+        if cfg.served_model_name:
+            cmd += ["--served-model-name", cfg.served_model_name]
+        cmd += ["--kv-transfer-config", json.dumps(self._kv_config(inst)),
+                *inst.memory_args, *cfg.vllm_args, *rc.vllm_args]
+        env = self._env(inst, ports["side_channel_port"], inst.bind)
+        return inst.actor.start.remote(cmd, env, ports["port"])
 
     def poll(self) -> list[dict[str, Any]]:
         """Current status of every instance; LaunchError if one has failed,
@@ -549,11 +577,15 @@ class Deployment:
         with state "unreachable")."""
         import ray
 
-        refs = [i.actor.status.remote() for i in self.instances]
+        for inst in self.instances:
+            if inst.lost_since is not None:
+                self._replace(inst)
+        polled = [i for i in self.instances if i.lost_since is None]
+        refs = [i.actor.status.remote() for i in polled]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.status_timeout_s)
         answered = set(ready)
         sts: list[dict[str, Any]] = []
-        for inst, ref in zip(self.instances, refs):
+        for inst, ref in zip(polled, refs):
             if ref not in answered:
                 sts.append(self._unreachable(inst, f"no answer within "
                                              f"{self.status_timeout_s:g} s"))
@@ -571,16 +603,18 @@ class Deployment:
                 sts.append(self._unreachable(inst, _ray_error_line(e)))
                 continue
             except ray.exceptions.RayError as e:
-                raise LaunchError(f"{inst.name}: its supervisor actor died (its server "
-                                  f"was signalled to stop): {str(e).splitlines()[0]}"
-                                  ) from None
+                why = (f"its supervisor actor died (its server was signalled to stop): "
+                       f"{_ray_error_line(e)}")
+                self._lose(inst, why, LaunchError(f"{inst.name}: {why}"))
+                sts.append(self._lost_status(inst))
+                continue
             since = self._unreachable_since.pop(inst.name, None)
             if since is not None:
                 self._say(f"{inst.name} on node {inst.info.get('ip', '?')} reachable "
                           f"again after {time.monotonic() - since:.0f} s")
             sts.append(st)
-        for inst, st in zip(self.instances, sts):
-            if st["state"] == "unreachable":
+        for inst, st in zip(polled, sts):
+            if st["state"] in ("unreachable", "lost"):
                 continue
             prev = inst.status
             inst.status = st
@@ -594,7 +628,118 @@ class Deployment:
                           f"{self.cfg.max_restarts}) as pid {st['pid']}")
             if st["state"] != prev.get("state") and st["state"] == "healthy":
                 self._say(f"{inst.name} healthy at {st['url']}")
-        return sts
+                if inst.rejoining:
+                    inst.rejoining = False
+                    self._update_router()
+                    self._say(f"{inst.name} rejoined: the router sends {inst.role} "
+                              f"requests to {', '.join(i.name for i in self.role_instances(inst.role))}")
+        return sts + [self._lost_status(i) for i in self.instances
+                      if i.lost_since is not None and i not in polled]
+
+    def _lost_status(self, inst: Instance) -> dict[str, Any]:
+        return {**inst.status, "name": inst.name, "state": "lost"}
+
+    def _lose(self, inst: Instance, why: str, fatal: LaunchError) -> None:
+        """An instance whose supervisor died or whose node stayed
+        unreachable: when other instances of its role serve, the deployment
+        goes on with them (the router no longer sends to it) and a new
+        supervisor is placed for it on a node of its role that has none
+        (see _replace); when it was its role's last, `fatal` is raised."""
+        import ray
+
+        where = f"{inst.name} on node {inst.info.get('ip', '?')}"
+        others = [i for i in self.role_instances(inst.role) if i is not inst]
+        if not others:
+            raise fatal
+        inst.lost_since = time.monotonic()
+        inst.rejoining = False
+        self._unreachable_since.pop(inst.name, None)
+        try:
+            ray.kill(inst.actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        self._update_router()
+        self._say(f"{where} lost: {why}. The deployment keeps serving: {inst.role} "
+                  f"requests go to {', '.join(i.name for i in others)}; {inst.name} is "
+                  f"started again once a node for {inst.role} without one is in the "
+                  "cluster (its node back, or another)", logging.WARNING)
+
+    def _update_router(self) -> None:
+        if self.router is not None:
+            self.router.set_instances([i.url for i in self.role_instances("prefill")],
+                                      [i.url for i in self.role_instances("decode")],
+                                      [i.url for i in self.instances if not i.live])
+
+    def _free_node(self, inst: Instance) -> str | None:
+        """A node for a lost instance: an alive node with its role's
+        resource and labels where no serving instance of the role runs
+        (the role's instances stay on different nodes, as placed), else
+        its own node if that is still in the cluster (its supervisor alone
+        died: a host with several instances of the role)."""
+        import ray
+
+        role = inst.role
+        rc = self.cfg.role(role)
+        taken = {i.info.get("node_id") for i in self.instances
+                 if i.role == role and i.lost_since is None}
+        fits = [n["NodeID"] for n in ray.nodes() if n.get("Alive")
+                and (not rc.node_resource or n["Resources"].get(rc.node_resource, 0) > 0)
+                and (not rc.node_labels
+                     or rc.node_labels.items() <= (n.get("Labels") or {}).items())]
+        free = [n for n in fits if n not in taken]
+        if free:
+            return free[0]
+        # its own node, still in the cluster (only its supervisor died)
+        own = inst.info.get("node_id")
+        return own if own in fits else None
+
+    def _replace(self, inst: Instance) -> None:
+        """One step of starting a lost instance again: place a new
+        supervisor on a free node of its role, then (once it answers)
+        start its server there with the same arguments; the router takes
+        it back once it is healthy (poll)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if inst.pending is None:
+            node = self._free_node(inst)
+            if node is None:
+                return
+            actor = self._new_actor(inst.role, inst.index,
+                                    NodeAffinitySchedulingStrategy(node, soft=False))
+            inst.pending = (actor, actor.node_info.remote(), time.monotonic())
+            self._say(f"{inst.name}: a node for {inst.role} is available "
+                      f"({node[:12]}); starting its supervisor there")
+            return
+        actor, ref, t0 = inst.pending
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            if time.monotonic() - t0 > PLACE_TIMEOUT_S:
+                ray.kill(actor, no_restart=True)
+                inst.pending = None
+            return
+        inst.pending = None
+        try:
+            info = ray.get(ref, timeout=0)
+            rc = self.cfg.role(inst.role)
+            port = None if rc.port is None else rc.port + inst.index
+            ports = ray.get(actor.prepare.remote(self.cfg.model, port,
+                                                 {**self.cfg.env, **rc.env},
+                                                 self._kv_storage), timeout=60)
+            old_info, inst.info, inst.actor = inst.info, info, actor
+            st = ray.get(self._start_server(inst, ports), timeout=60)
+        except Exception as e:  # noqa: BLE001 - the node went again: try later
+            self._say(f"{inst.name}: could not start it again ({type(e).__name__}: "
+                      f"{_ray_error_line(e)}); trying again", logging.WARNING)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+            return
+        inst.status, inst.lost_since, inst.rejoining = st, None, True
+        self._say(f"{inst.name} started again on node {info['ip']} (was "
+                  f"{old_info.get('ip', '?')}): {st['url']} pid {st['pid']}, log "
+                  f"{st['log']}; the router sends to it once it is healthy")
 
     def _unreachable(self, inst: Instance, why: str) -> dict[str, Any]:
         """A transient failure to reach an instance's supervisor: its last
@@ -605,8 +750,9 @@ class Deployment:
         grace = self.cfg.unreachable_grace_s
         where = f"{inst.name} on node {inst.info.get('ip', '?')}"
         if now - since > grace:
-            raise LaunchError(f"{where} unreachable for more than {grace:g} s "
-                              f"(--unreachable-grace): {why}")
+            why = f"unreachable for more than {grace:g} s (--unreachable-grace): {why}"
+            self._lose(inst, why, LaunchError(f"{where} {why}"))
+            return self._lost_status(inst)
         if since == now:
             self._say(f"{where} unreachable ({why}); polling it again for up to "
                       f"{grace:g} s", logging.WARNING)
@@ -618,7 +764,7 @@ class Deployment:
         last_report = time.monotonic()
         while True:
             sts = self.poll()
-            waiting = [s["name"] for s in sts if s["state"] != "healthy"]
+            waiting = [s["name"] for s in sts if s["state"] not in ("healthy", "lost")]
             if not waiting:
                 return
             if time.monotonic() > deadline:
@@ -662,6 +808,10 @@ class Deployment:
         if self.instances:
             import ray
 
+            for inst in self.instances:  # a replacement still being placed
+                if inst.pending is not None:
+                    ray.kill(inst.pending[0], no_restart=True)
+                    inst.pending = None
             self._say(f"stopping {len(self.instances)} instance(s)")
             refs = [i.actor.stop.remote() for i in self.instances]
             for inst, ref in zip(self.instances, refs):

@@ -18,10 +18,22 @@ Flow per POST /v1/completions or /v1/chat/completions:
 3. decode: the original request plus the kv_transfer_params the prefill
    instance returned (if any); streaming is passed through chunk by chunk.
    A client disconnect closes the decode connection, so vLLM aborts there.
+   A decode instance that goes away mid-stream ends the stream with an
+   OpenAI-format error event (`data: {"error": {...}}`, as vLLM's server
+   writes its own; the openai client raises APIError on it), never with a
+   silent end the client would take for a finished answer.
+
+Several instances of a role: round robin. An instance the router cannot
+connect to (connection refused, or no connection within CONNECT_TIMEOUT_S:
+its server killed, its node down or cut off) is skipped for DOWN_S and the
+request goes to the next one (nothing was sent, so nothing runs twice);
+with one instance left, the router waits for it as long as the request's
+own timeout (a short partition then only delays the request).
 
 GET /health: 200 when every instance answers /health with 200 within
 HEALTH_TIMEOUT_S; else 503; the body maps each instance to its status (599:
-no answer).
+no answer). An instance the launcher reports lost (set_instances) stays in
+it until it rejoins: 503 meanwhile, while the others serve.
 GET /metrics: the instances' metrics, each line labelled pd_role="prefill|decode"
 (an instance that does not answer within METRICS_TIMEOUT_S is left out).
 
@@ -56,7 +68,8 @@ import threading
 import uuid
 from http import HTTPStatus
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import (ClientConnectorError, ClientError, ClientSession, ClientTimeout,
+                     ConnectionTimeoutError, TCPConnector, web)
 
 from vllm_patch.launch.supervisor import free_port
 
@@ -87,6 +100,12 @@ HEALTH_TIMEOUT_S = 3.0
 # once the link is back.
 KEEPALIVE_S = 3.0
 METRICS_TIMEOUT_S = 5.0
+# With another instance of the role to try: how long to wait for a TCP
+# connection before trying it (a LAN connects in milliseconds; a node cut
+# off never answers the SYN), and how long an instance that could not be
+# connected to is tried last.
+CONNECT_TIMEOUT_S = 3.0
+DOWN_S = 10.0
 # request key: the streamed response, once started
 _STREAMING = (web.RequestKey("pd_streaming", web.StreamResponse)
               if hasattr(web, "RequestKey") else "pd_streaming")  # aiohttp < 3.13
@@ -154,12 +173,59 @@ class Router:
                  timeout_s: float = 600.0) -> None:
         self.prefill = [u.rstrip("/") for u in prefill]
         self.decode = [u.rstrip("/") for u in decode]
-        self._p = itertools.cycle(self.prefill)
-        self._d = itertools.cycle(self.decode)
+        self._p = itertools.count()
+        self._d = itertools.count()
+        # instance url -> when the router last failed to connect to it
+        self.down: dict[str, float] = {}
+        self.lost: list[str] = []
         self._r = itertools.count()  # round robin of read-only requests
         self.timeout = ClientTimeout(total=timeout_s)
         self.session: ClientSession | None = None
-        self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0}
+        self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0,
+                       "skipped": 0}
+
+    def set_instances(self, prefill: list[str], decode: list[str],
+                      lost: list[str] = ()) -> None:
+        """Replace the instances (in the router's event loop: see
+        ProxyThread.set_instances); `lost`: instances no request goes to
+        that /health still reports (the deployment is not whole)."""
+        self.prefill = [u.rstrip("/") for u in prefill]
+        self.decode = [u.rstrip("/") for u in decode]
+        self.lost = [u.rstrip("/") for u in lost]
+
+    def _order(self, urls: list[str], counter: itertools.count) -> list[str]:
+        """The instances to try, round robin; those the router could not
+        connect to in the last DOWN_S last."""
+        i = next(counter) % len(urls)
+        order = urls[i:] + urls[:i]
+        now = asyncio.get_running_loop().time()
+        up = [u for u in order if now - self.down.get(u, -DOWN_S) >= DOWN_S]
+        return up + [u for u in order if u not in up]
+
+    async def _post(self, urls: list[str], path: str, body: dict, headers: dict):
+        """POST to the first instance of `urls` that takes the connection:
+        (url, response) with the response entered (exit it). An instance
+        that refuses, or does not connect within CONNECT_TIMEOUT_S while
+        another is left to try, is marked down and skipped; the last one
+        is given the request's whole timeout. Raises the last error."""
+        assert self.session is not None
+        for n, url in enumerate(urls):
+            last = n == len(urls) - 1
+            timeout = self.timeout if last else ClientTimeout(
+                total=self.timeout.total, sock_connect=CONNECT_TIMEOUT_S)
+            cm = self.session.post(url + path, json=body, headers=headers,
+                                   timeout=timeout)
+            try:
+                return url, cm, await cm.__aenter__()
+            except (ClientConnectorError, ConnectionTimeoutError) as e:
+                # not connected: the request never reached the instance
+                self.down[url] = asyncio.get_running_loop().time()
+                if last:
+                    raise
+                self.counts["skipped"] += 1
+                logger.warning("P/D: cannot connect to %s (%s: %s); trying %s",
+                               url, type(e).__name__, e, urls[n + 1])
+        raise AssertionError("no instance")  # urls is never empty
 
     async def start(self, app: web.Application) -> None:
         self.session = ClientSession(timeout=self.timeout,
@@ -224,21 +290,25 @@ class Router:
         headers.setdefault("X-Request-Id", f"pd-{uuid.uuid4().hex}")
 
         # 1. prefill
-        async with self.session.post(next(self._p) + path, json=prefill_body(body, chat),
-                                     headers=headers) as resp:
+        url, cm, resp = await self._post(self._order(self.prefill, self._p), path,
+                                         prefill_body(body, chat), headers)
+        try:
             pbytes = await resp.read()
             if resp.status != 200:
                 self.counts["prefill_errors"] += 1
                 return web.Response(status=resp.status, body=pbytes,
                                     content_type=resp.content_type)
+        finally:
+            await cm.__aexit__(None, None, None)
         try:
             kv_params = json.loads(pbytes).get("kv_transfer_params")
         except ValueError:
             kv_params = None
 
         # 2. decode: the original request (+ params); stream passed through
-        async with self.session.post(next(self._d) + path, json=decode_body(body, kv_params),
-                                     headers=headers) as resp:
+        url, cm, resp = await self._post(self._order(self.decode, self._d), path,
+                                         decode_body(body, kv_params), headers)
+        try:
             if resp.status != 200 or not body.get("stream"):
                 data = await resp.read()
                 if resp.status != 200:
@@ -249,13 +319,30 @@ class Router:
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream")})
             request[_STREAMING] = out
             await out.prepare(request)
-            try:
-                async for chunk in resp.content.iter_any():
-                    await out.write(chunk)  # raises on client disconnect -> closes resp
-            except ClientError:  # decode instance went away mid-stream: end it
-                self.counts["decode_errors"] += 1
+            chunks = resp.content.iter_any()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (ClientError, asyncio.TimeoutError) as e:
+                    # the decode instance went away mid-stream: say so in
+                    # the stream, as vLLM's server reports its own errors
+                    self.counts["decode_errors"] += 1
+                    logger.warning("P/D: decode instance %s failed mid-stream: %s: %s",
+                                   url, type(e).__name__, e)
+                    event = {"error": {
+                        "message": f"P/D upstream error: the decode instance failed "
+                                   f"mid-stream ({type(e).__name__}: {e})",
+                        "type": "BadGatewayError", "param": None, "code": 502}}
+                    await out.write(
+                        f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                    break
+                await out.write(chunk)  # raises on client disconnect -> closes resp
             await out.write_eof()
             return out
+        finally:
+            await cm.__aexit__(None, None, None)
 
     def _decode_order(self) -> list[str]:
         i = next(self._r) % len(self.decode)
@@ -319,7 +406,7 @@ class Router:
         """Every instance asked at once, each given HEALTH_TIMEOUT_S: an
         instance that does not answer (a node cut off) reads 599, and the
         router answers 503 well within a client's usual 10 s."""
-        urls = self.prefill + self.decode
+        urls = self.prefill + self.decode + self.lost
         res = await asyncio.gather(*(self._get(u + "/health", HEALTH_TIMEOUT_S)
                                      for u in urls))
         ok = all(s == 200 for s, _ in res)
@@ -419,6 +506,14 @@ class ProxyThread:
         self._ready.wait(30)
         if self.error is not None:
             raise RuntimeError(f"router cannot listen on {host}:{self.port}: {self.error}")
+
+    def set_instances(self, prefill: list[str], decode: list[str],
+                      lost: list[str] = ()) -> None:
+        """Replace the instances the router sends requests to (an instance
+        restarted at another address, one gone for good); `lost` ones are
+        only in /health, which answers 503 while there are any."""
+        self._loop.call_soon_threadsafe(self.router.set_instances, prefill, decode,
+                                        list(lost))
 
     def stop(self) -> None:
         fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)

@@ -78,7 +78,12 @@ def exit_cause(log_text: str, code: int | None) -> str:
     """One line that says why a server exited: the first exception line of
     its log (vLLM's engine core prints the root cause before the API
     server's generic "Engine core initialization failed"), else the exit
-    code."""
+    code. A server killed by SIGKILL (by hand, the OOM killer) is "killed
+    by SIGKILL" whatever its log says: nothing of its own ran after the
+    signal, and the exceptions logged before it are errors it handled
+    while serving (a request cancelled: "RuntimeError: cancelled")."""
+    if code == -signal.SIGKILL:
+        return "killed by SIGKILL"
     lines = log_text.splitlines()
     found = []
     for i, line in enumerate(lines):
