@@ -54,6 +54,7 @@ import numpy as np
 
 from vllm_patch.testing.vocabularies import (json_grammar, load_tokenizer,
                                              make_backend, vocab_size)
+from vllm_patch.v1.spec_decode.grammar_drafts import _common
 
 REPO = Path(__file__).resolve().parents[1]
 MASKBENCH = REPO.parent / "shared" / "data" / "jsonschemabench-dev" / "maskbench"
@@ -200,15 +201,6 @@ def run(tokenizer: Any, kind: str, whitespace: str, fmt: str,
         compile_s=compile_s,
     )
     return out
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main(argv: list[str] | None = None) -> int:

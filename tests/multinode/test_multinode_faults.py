@@ -95,16 +95,22 @@ def _server_pid(c, node: str) -> int:
     raise AssertionError(f"no vLLM API server on node {node}")
 
 
+def _launch_example(c, *extra: str):
+    """The launcher across the nodes with ExampleConnector over the
+    cluster's shared folder (a fresh `kv` folder in it)."""
+    kv = c.root / "kv"
+    kv.mkdir()
+    return _launch(c, ["--connector", "ExampleConnector",
+                       "--kv-connector-extra-config",
+                       json.dumps({"shared_storage_path": str(kv)}), *extra])
+
+
 @pytest.mark.patched_only
 @pytest.mark.timeout(1800)
 def test_a_server_killed_on_its_node_under_load(cluster):
     _schemas()  # skips now, before the launch, when the sample is missing
     c = cluster
-    kv = c.root / "kv"
-    kv.mkdir()
-    launcher, ready = _launch(c, ["--connector", "ExampleConnector",
-                                  "--kv-connector-extra-config",
-                                  json.dumps({"shared_storage_path": str(kv)})])
+    launcher, ready = _launch_example(c)
     url = ready["url"]
     client = _client(url)
     log = c.root / "launch.log"
@@ -173,12 +179,8 @@ def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
 
     _schemas()
     c = cluster_1p2d
-    kv = c.root / "kv"
-    kv.mkdir()
-    launcher, ready = _launch(c, ["--connector", "ExampleConnector",
-                                  "--kv-connector-extra-config",
-                                  json.dumps({"shared_storage_path": str(kv)}),
-                                  "--decode", "2", "--decode-port", str(DECODE_PORT)])
+    launcher, ready = _launch_example(c, "--decode", "2",
+                                      "--decode-port", str(DECODE_PORT))
     log = c.root / "launch.log"
     url = ready["url"]
     client = _client(url)
@@ -301,11 +303,7 @@ def test_the_prefill_nodes_link_down_under_load(cluster):
 
     _schemas()
     c = cluster
-    kv = c.root / "kv"
-    kv.mkdir()
-    launcher, ready = _launch(c, ["--connector", "ExampleConnector",
-                                  "--kv-connector-extra-config",
-                                  json.dumps({"shared_storage_path": str(kv)})])
+    launcher, ready = _launch_example(c)
     log = c.root / "launch.log"
     url = ready["url"]
     client = _client(url)
