@@ -95,6 +95,16 @@ def _server_pid(c, node: str) -> int:
     raise AssertionError(f"no vLLM API server on node {node}")
 
 
+def _served_per_decode(client, by_name, names, reqs) -> dict:
+    """Send `reqs` at once; every one must be answered (and each `stop`
+    answer valid); return how many each decode server in `names` served."""
+    before = {n: _decode_successes(by_name[n]) for n in names}
+    outs = _batch(client, reqs)
+    assert [o["error"] for o in outs] == [None] * len(reqs), outs
+    _check_stop_valid(reqs, outs)
+    return {n: _decode_successes(by_name[n]) - before[n] for n in names}
+
+
 def _launch_example(c, *extra: str):
     """The launcher across the nodes with ExampleConnector over the
     cluster's shared folder (a fresh `kv` folder in it)."""
@@ -198,12 +208,7 @@ def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
         text = r.read().decode()
     for role, idx in (("prefill", 0), ("decode", 0), ("decode", 1)):
         assert f'pd_role="{role}",pd_index="{idx}"' in text, (role, idx)
-    before = {n: _decode_successes(by_name[n]) for n in (c_name, d_name)}
-    reqs = _requests(12)
-    outs = _batch(client, reqs)
-    assert [o["error"] for o in outs] == [None] * 12, outs
-    _check_stop_valid(reqs, outs)
-    served = {n: _decode_successes(by_name[n]) - before[n] for n in before}
+    served = _served_per_decode(client, by_name, (c_name, d_name), _requests(12))
     report["balanced"] = served
     assert all(v >= 4 for v in served.values()), served
 
@@ -255,12 +260,8 @@ def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
     report["rejoined_s"] = round(time.monotonic() - back, 1)
     assert f"{d_name} started again on node {ips['D']}" in log.read_text()
     assert _health(url) == 200
-    before = {n: _decode_successes(by_name[n]) for n in (c_name, d_name)}
-    reqs = _requests(6, offset=100)
-    outs = _batch(client, reqs)
-    assert [o["error"] for o in outs] == [None] * 6, outs
-    _check_stop_valid(reqs, outs)
-    served = {n: _decode_successes(by_name[n]) - before[n] for n in before}
+    served = _served_per_decode(client, by_name, (c_name, d_name),
+                                _requests(6, offset=100))
     report["after_rejoin"] = served
     assert all(v >= 2 for v in served.values()), served
     idle = _idle(ready["instances"])
