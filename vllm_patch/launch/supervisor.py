@@ -18,6 +18,12 @@ Lifecycle guarantees:
   SIGTERM while they outlive a killed server; every process is spawned from
   the supervisor's own long-lived thread, because the death signal follows
   the thread that forked;
+- that is not enough when Ray itself ends the actor's process (its node
+  declared dead, the actor killed): Ray SIGKILLs a dying worker's direct
+  children, so the server dies at once and its engine core is left; each
+  server therefore has a guard (guard.py), a detached process that stops
+  the server's whole group (SIGTERM, SIGKILL after GUARD_GRACE_S) when this
+  process ends;
 - an unexpected exit is restarted on the same host and port (so the router's
   address stays valid) up to `max_restarts` times, then the instance is
   `failed` and the deployment stops with the server's last log lines; a
@@ -56,6 +62,9 @@ from typing import Any
 from vllm_patch.launch.config import LaunchError, model_is_path
 
 PR_SET_PDEATHSIG = 1
+# The guard that stops a server's process group when this process dies.
+GUARD = str(Path(__file__).with_name("guard.py"))
+GUARD_GRACE_S = 10.0
 # An AF_UNIX socket path holds at most 107 bytes (sun_path, 108 with the
 # final NUL). vLLM names its ZMQ IPC sockets VLLM_RPC_BASE_PATH/<uuid4>.
 SOCKET_PATH_MAX = 107
@@ -406,9 +415,27 @@ class InstanceSupervisor:
         self.proc = subprocess.Popen(
             self.cmd, env=self.env, stdout=self._log_file, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        self._start_guard(self.proc.pid)
         self.started_at = time.monotonic()
         self.spawns += 1
         self._spawned.set()
+
+    def _start_guard(self, pgid: int) -> None:
+        """The server's guard (guard.py): stops the server's process group
+        if this process dies without stop(). It detaches at once (the first
+        child exits and is reaped here)."""
+        try:
+            subprocess.run(
+                [sys.executable, "-I", "-S", GUARD, str(os.getpid()), str(pgid),
+                 str(GUARD_GRACE_S), str(self.log_dir / f"{self.name}.log")],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, timeout=30, check=True)
+        except (OSError, subprocess.SubprocessError) as e:
+            # the server runs; only its clean-up after this process dies is lost
+            self._log_file.write(f"===== warning: the server's guard did not start "
+                                 f"({type(e).__name__}: {e}): if this supervisor dies, "
+                                 f"vLLM's engine core may outlive it\n".encode())
+            self._log_file.flush()
 
     def _spawn_or_fail(self) -> bool:
         try:
