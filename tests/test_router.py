@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -362,3 +363,44 @@ def test_a_decode_instance_lost_mid_stream_ends_with_an_error_event(stack):
     finally:
         router.stop()
         dec.stop()
+
+
+def test_a_role_with_no_instance_left_is_openai_503(stack):
+    """The launcher lost a role's last instance and is starting it again
+    (set_instances with none of that role, the lost one kept for /health):
+    every request gets a clean 503 at once (before: an exception in the
+    router, a 500), /health says 503 with the lost instance, and the
+    router serves again once the instance is back."""
+    import requests
+
+    from vllm_patch.launch.router import ProxyThread
+
+    router, _ = stack
+    prefill, decode = router.instances
+    lone = ProxyThread([prefill], [decode])
+    try:
+        for gone, (p, d) in (("prefill", ([], [decode])), ("decode", ([prefill], []))):
+            lone.set_instances(p, d, [prefill if gone == "prefill" else decode])
+            time.sleep(0.3)  # applied in the router's own loop
+            for method, path, body in (("POST", "/v1/completions", {"prompt": "a"}),
+                                       ("POST", "/v1/chat/completions",
+                                        {"messages": [{"role": "user", "content": "a"}]}),
+                                       ("GET", "/v1/models", None),
+                                       ("GET", "/v1/models/tiny", None)):
+                if gone == "prefill" and method == "GET":
+                    continue  # read-only requests go to a decode instance
+                t0 = time.monotonic()
+                r = requests.request(method, lone.url + path, json=body, timeout=30)
+                err = _openai_error(r, 503)
+                assert err["type"] == "ServiceUnavailableError", (gone, path)
+                assert f"no {gone} instance is serving" in err["message"]
+                assert time.monotonic() - t0 < 2
+            h = requests.get(lone.url + "/health", timeout=30)
+            assert h.status_code == 503
+        lone.set_instances([prefill], [decode])
+        time.sleep(0.3)
+        r = requests.post(lone.url + "/v1/completions", json={"prompt": "a"}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert requests.get(lone.url + "/health", timeout=30).status_code == 200
+    finally:
+        lone.stop()

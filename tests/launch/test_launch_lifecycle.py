@@ -159,7 +159,8 @@ def test_dead_supervisor_takes_its_server_along(ray_cluster, tmp_path):
     (user / "notes.txt").write_text("the user's")
     lines: list[str] = []
     with Deployment(config(log_dir=str(tmp_path / "logs"), connector="ExampleConnector",
-                           kv_connector_extra_config={"shared_storage_path": str(user)}),
+                           kv_connector_extra_config={"shared_storage_path": str(user)},
+                           recovery_timeout_s=0),  # the role's only one: stop
                     progress=lines.append) as dep:  # failure: logs kept
         dec = dep.role_instances("decode")[0]
         pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == dec.status["pid"]]
@@ -239,8 +240,9 @@ def test_unreachable_supervisor_is_not_a_death(ray_cluster):
     assert "decode-0 on node" in text and "unreachable (no answer within 1 s)" in text
     assert text.count("reachable again after") == 2, text
 
-    # past the grace period: a death
-    with Deployment(config(unreachable_grace_s=2)) as dep:
+    # past the grace period: a death (the role's only instance, and no
+    # wait for its recovery: the deployment stops)
+    with Deployment(config(unreachable_grace_s=2, recovery_timeout_s=0)) as dep:
         dec = dep.role_instances("decode")[0]
         dep.status_timeout_s = 0.5
         os.kill(dec.info["actor_pid"], signal.SIGSTOP)
@@ -782,10 +784,16 @@ def test_a_node_lost_with_survivors_keeps_serving_and_rejoins(ray_cluster):
         assert ray.is_initialized()
 
 
-def test_the_last_instance_of_a_role_lost_still_stops(ray_cluster):
-    """With no other instance of its role, a dead supervisor stops the
-    deployment as before (nothing could serve that role)."""
-    with Deployment(config(decode={"node_resource": "decode_node", "count": 2})) as dep:
+def test_the_last_instance_of_a_role_lost_is_started_again(ray_cluster):
+    """Every instance of a role lost (their supervisors killed; their node
+    stays): the deployment does not stop. The router answers that role's
+    requests with a clean 503 at once, /health is 503, the launcher says
+    what happened and how long it waits; both instances are started again
+    on their node and the deployment serves again. (Before, losing a
+    role's last instance stopped the deployment.)"""
+    lines: list[str] = []
+    with Deployment(config(decode={"node_resource": "decode_node", "count": 2}),
+                    progress=lines.append) as dep:
         a, b = dep.role_instances("decode")  # both on the one decode node
         os.kill(a.info["actor_pid"], signal.SIGKILL)
         # a lost, then restarted on its own node (it is still in the cluster)
@@ -794,6 +802,48 @@ def test_the_last_instance_of_a_role_lost_still_stops(ray_cluster):
         assert ask(dep.url)["served_by"]["role"] == "decode"
         os.kill(a.info["actor_pid"], signal.SIGKILL)
         os.kill(b.info["actor_pid"], signal.SIGKILL)
-        with pytest.raises(LaunchError, match="its supervisor actor died"):
-            deadline = time.monotonic() + 60
-            dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() > deadline)
+        _wait(dep, lambda: not dep.role_instances("decode"))
+        text = "\n".join(lines)
+        assert "No decode instance serves now: requests get a 503 until" in text, text
+        assert "the deployment stops if none serves within 600 s (--recovery-timeout)" \
+            in text, text
+        r = requests.post(dep.url + "/v1/completions", json={"prompt": "x",
+                                                              "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503 and "no decode instance is serving" in r.text, r.text
+        assert requests.get(dep.url + "/health", timeout=30).status_code == 503
+        _wait(dep, lambda: all(i.live and i.status.get("state") == "healthy"
+                               for i in (a, b)))
+        assert {ask(dep.url)["served_by"]["port"] for _ in range(4)} == \
+            {a.status["port"], b.status["port"]}
+        assert requests.get(dep.url + "/health", timeout=30).status_code == 200
+        assert "decode serves again after" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("timeout_s", [0, 4])
+def test_a_role_without_a_node_stops_after_the_recovery_timeout(ray_cluster, timeout_s):
+    """The only decode node leaves the cluster and does not come back: the
+    deployment stops once --recovery-timeout has passed (at once with 0,
+    the behaviour before there was a wait), naming the cause; the lost
+    server's processes are gone with its node (the guard)."""
+    extra = ray_cluster.add_node(num_cpus=1, resources={"lone_node": 1})
+    ray_cluster.wait_for_nodes()
+    try:
+        with Deployment(config(decode={"node_resource": "lone_node"},
+                               recovery_timeout_s=timeout_s)) as dep:
+            dec = dep.role_instances("decode")[0]
+            pgid = dec.status["pid"]
+            pids = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == pgid]
+            ray_cluster.remove_node(extra, allow_graceful=False)
+            extra = None
+            assert gone(pids) == []
+            t0 = time.monotonic()
+            expected = ("its supervisor actor died" if timeout_s == 0 else
+                        f"no decode instance has served for {timeout_s} s "
+                        "\\(--recovery-timeout\\): decode-0: its supervisor actor died")
+            with pytest.raises(LaunchError, match=expected):
+                dep.serve_forever(poll_s=0.5, until=lambda: time.monotonic() - t0 > 60)
+            if timeout_s:
+                assert time.monotonic() - t0 >= timeout_s
+    finally:
+        if extra is not None:
+            ray_cluster.remove_node(extra)

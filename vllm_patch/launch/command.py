@@ -65,6 +65,8 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
         o["start_timeout_s"] = a.start_timeout
     if a.unreachable_grace is not None:
         o["unreachable_grace_s"] = a.unreachable_grace
+    if a.recovery_timeout is not None:
+        o["recovery_timeout_s"] = a.recovery_timeout
     if a.vllm_args:
         o["vllm_args"] = a.vllm_args
     if a.kv_connector_extra_config is not None:
@@ -192,8 +194,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--start-timeout", type=float, help="seconds to wait for /health")
     p.add_argument("--unreachable-grace", type=float, metavar="SECONDS",
                    help="how long a node may stay unreachable (a network partition, "
-                   "Ray's transient errors) before its instances count as dead and "
-                   "the deployment stops (default 120)")
+                   "Ray's transient errors) before its instances count as lost "
+                   "(default 120)")
+    p.add_argument("--recovery-timeout", type=float, metavar="SECONDS",
+                   help="how long a role may have no serving instance (its last one "
+                   "lost with its node) while the launcher waits for a node of that "
+                   "role to start it again, before the deployment stops (default "
+                   "600; 0: stop at once)")
     p.add_argument("--log-dir", metavar="DIR",
                    help="server logs, on each node, always kept (default: the "
                    "deployment's temp folder, kept only if the deployment fails)")

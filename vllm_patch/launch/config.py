@@ -89,6 +89,12 @@ class LaunchConfig(_Strict):
     # node) before the launcher counts it as dead; meanwhile it logs the
     # node as unreachable and keeps polling. A dead actor counts at once.
     unreachable_grace_s: float = Field(120.0, ge=0)
+    # Seconds a role may have no serving instance (its last one lost: its
+    # node gone, declared dead by Ray, or unreachable past the grace) before
+    # the deployment stops; meanwhile the router answers that role's
+    # requests with 503 and the launcher starts the instance again on a
+    # node of its role as soon as one is in the cluster. 0: stop at once.
+    recovery_timeout_s: float = Field(600.0, ge=0)
     # The server each instance supervises; "{python}" is the node's Python.
     server_command: list[str] = Field(default_factory=lambda: list(DEFAULT_SERVER_COMMAND))
     # Server logs on each node, always kept; None: the deployment's temp

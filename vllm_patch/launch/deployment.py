@@ -192,6 +192,9 @@ class Deployment:
         self._created_token = False
         # instance name -> when its supervisor stopped answering
         self._unreachable_since: dict[str, float] = {}
+        # role -> (since when none of its instances serves, the fatal error
+        # to raise after LaunchConfig.recovery_timeout_s, last progress note)
+        self._role_down: dict[str, list] = {}
         # how long one poll waits for the supervisors' answers
         self.status_timeout_s = STATUS_TIMEOUT_S
 
@@ -580,6 +583,7 @@ class Deployment:
         for inst in self.instances:
             if inst.lost_since is not None:
                 self._replace(inst)
+        self._check_role_down()
         polled = [i for i in self.instances if i.lost_since is None]
         refs = [i.actor.status.remote() for i in polled]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.status_timeout_s)
@@ -631,6 +635,10 @@ class Deployment:
                 if inst.rejoining:
                     inst.rejoining = False
                     self._update_router()
+                    down = self._role_down.pop(inst.role, None)
+                    if down is not None:
+                        self._say(f"{inst.role} serves again after "
+                                  f"{time.monotonic() - down[0]:.0f} s without an instance")
                     self._say(f"{inst.name} rejoined: the router sends {inst.role} "
                               f"requests to {', '.join(i.name for i in self.role_instances(inst.role))}")
         return sts + [self._lost_status(i) for i in self.instances
@@ -644,12 +652,16 @@ class Deployment:
         unreachable: when other instances of its role serve, the deployment
         goes on with them (the router no longer sends to it) and a new
         supervisor is placed for it on a node of its role that has none
-        (see _replace); when it was its role's last, `fatal` is raised."""
+        (see _replace). When it was its role's last, the router answers
+        that role's requests with 503 while the launcher waits for a node
+        to start it on; `fatal` is raised when none serves within
+        LaunchConfig.recovery_timeout_s (at once when that is 0)."""
         import ray
 
         where = f"{inst.name} on node {inst.info.get('ip', '?')}"
         others = [i for i in self.role_instances(inst.role) if i is not inst]
-        if not others:
+        timeout = self.cfg.recovery_timeout_s
+        if not others and timeout <= 0:
             raise fatal
         inst.lost_since = time.monotonic()
         inst.rejoining = False
@@ -659,10 +671,37 @@ class Deployment:
         except Exception:  # noqa: BLE001 - already gone
             pass
         self._update_router()
-        self._say(f"{where} lost: {why}. The deployment keeps serving: {inst.role} "
-                  f"requests go to {', '.join(i.name for i in others)}; {inst.name} is "
-                  f"started again once a node for {inst.role} without one is in the "
-                  "cluster (its node back, or another)", logging.WARNING)
+        if others:
+            self._say(f"{where} lost: {why}. The deployment keeps serving: {inst.role} "
+                      f"requests go to {', '.join(i.name for i in others)}; {inst.name} is "
+                      f"started again once a node for {inst.role} without one is in the "
+                      "cluster (its node back, or another)", logging.WARNING)
+            return
+        if inst.role not in self._role_down:
+            self._role_down[inst.role] = [inst.lost_since, fatal, inst.lost_since]
+        self._say(f"{where} lost: {why}. No {inst.role} instance serves now: requests get "
+                  f"a 503 until {inst.name} is started again on a node for {inst.role} "
+                  f"(its node back in the Ray cluster, or another); the deployment stops "
+                  f"if none serves within {timeout:g} s (--recovery-timeout)",
+                  logging.WARNING)
+
+    def _check_role_down(self) -> None:
+        """A role without a serving instance: a note every 30 s, and
+        LaunchError once LaunchConfig.recovery_timeout_s has passed."""
+        now = time.monotonic()
+        for role, down in self._role_down.items():
+            since, fatal, noted = down
+            timeout = self.cfg.recovery_timeout_s
+            if now - since > timeout:
+                raise LaunchError(f"no {role} instance has served for {timeout:g} s "
+                                  f"(--recovery-timeout): {fatal}")
+            if now - noted >= 30:
+                down[2] = now
+                waiting = [i for i in self.instances if i.role == role]
+                what = ("starting" if any(i.pending or i.rejoining for i in waiting)
+                        else f"waiting for a node for {role} in the Ray cluster")
+                self._say(f"still no {role} instance ({now - since:.0f} s of "
+                          f"{timeout:g}): {what}", logging.WARNING)
 
     def _update_router(self) -> None:
         if self.router is not None:

@@ -288,6 +288,9 @@ class Router:
             return error_response(400, f"invalid JSON body: {e}", type_="BadRequestError")
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD_HEADERS}
         headers.setdefault("X-Request-Id", f"pd-{uuid.uuid4().hex}")
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            if not urls:  # its last instance lost: the launcher starts it again
+                return self._none_serving(role)
 
         # 1. prefill
         url, cm, resp = await self._post(self._order(self.prefill, self._p), path,
@@ -344,6 +347,12 @@ class Router:
         finally:
             await cm.__aexit__(None, None, None)
 
+    def _none_serving(self, role: str) -> web.Response:
+        self.counts["unavailable"] = self.counts.get("unavailable", 0) + 1
+        return error_response(503, f"P/D: no {role} instance is serving now (the "
+                              "launcher is starting one again): retry later",
+                              type_="ServiceUnavailableError")
+
     def _decode_order(self) -> list[str]:
         i = next(self._r) % len(self.decode)
         return self.decode[i:] + self.decode[:i]
@@ -372,6 +381,8 @@ class Router:
 
     async def read_only(self, request: web.Request) -> web.Response:
         """A read-only vLLM endpoint, answered by a decode instance as is."""
+        if not self.decode:
+            return self._none_serving("decode")
         try:
             status, body, ctype = await self._read_only(request, request.path_qs)
         except (ClientError, asyncio.TimeoutError) as e:
@@ -382,6 +393,8 @@ class Router:
         """GET /v1/models/{model}: the entry of /v1/models (OpenAI's
         retrieve-model call; vLLM's server has no such route)."""
         name = request.match_info["model"]
+        if not self.decode:
+            return self._none_serving("decode")
         try:
             status, body, ctype = await self._read_only(request, "/v1/models", "GET")
         except (ClientError, asyncio.TimeoutError) as e:
@@ -409,7 +422,10 @@ class Router:
         urls = self.prefill + self.decode + self.lost
         res = await asyncio.gather(*(self._get(u + "/health", HEALTH_TIMEOUT_S)
                                      for u in urls))
-        ok = all(s == 200 for s, _ in res)
+        # a lost instance (the launcher starts it again) keeps it 503 even
+        # when its address answers: the router sends it nothing yet
+        ok = (all(s == 200 for s, _ in res) and not self.lost
+              and bool(self.prefill) and bool(self.decode))
         return web.json_response({u: s for u, (s, _) in zip(urls, res)},
                                  status=200 if ok else 503)
 
