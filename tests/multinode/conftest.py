@@ -48,3 +48,9 @@ def _cluster(**kw):
 def cluster_1p2d():
     """A head (A), a prefill node (B) and two decode nodes (C, D)."""
     yield from _cluster(roles="prefill,decode,decode")
+
+
+@pytest.fixture
+def cluster_2p1d():
+    """A head (A), two prefill nodes (B, D) and a decode node (C)."""
+    yield from _cluster(roles="prefill,decode,prefill")

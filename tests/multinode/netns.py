@@ -71,6 +71,10 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
         self.created: list[tuple[str, str]] = []  # (kind, name), teardown in reverse
 
+    def node_of(self, role: str) -> list[str]:
+        """The worker nodes of a role, in order (B, C, D, ...)."""
+        return [n for n, r in self.roles.items() if r == role]
+
     @property
     def address(self) -> str:
         return f"{self.nodes['A'].ip}:{RAY_PORT}"

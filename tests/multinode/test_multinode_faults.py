@@ -95,14 +95,15 @@ def _server_pid(c, node: str) -> int:
     raise AssertionError(f"no vLLM API server on node {node}")
 
 
-def _served_per_decode(client, by_name, names, reqs) -> dict:
+def _served_per(client, by_name, names, reqs) -> dict:
     """Send `reqs` at once; every one must be answered (and each `stop`
-    answer valid); return how many each decode server in `names` served."""
-    before = {n: _decode_successes(by_name[n]) for n in names}
+    answer valid); return how many requests each server in `names` (all of
+    one role) served."""
+    before = {n: _successes(by_name[n]) for n in names}
     outs = _batch(client, reqs)
     assert [o["error"] for o in outs] == [None] * len(reqs), outs
     _check_stop_valid(reqs, outs)
-    return {n: _decode_successes(by_name[n]) - before[n] for n in names}
+    return {n: _successes(by_name[n]) - before[n] for n in names}
 
 
 def _launch_example(c, *extra: str):
@@ -154,7 +155,9 @@ def test_a_server_killed_on_its_node_under_load(cluster):
     assert list((c.root / "tmp").glob("vllm-patch-launch-*")) == []
 
 
-def _decode_successes(inst: dict) -> float:
+def _successes(inst: dict) -> float:
+    """Requests a server finished (a prefill server finishes each at its
+    one token)."""
     import urllib.request
 
     from vllm_patch.launch.router import parse_metrics
@@ -171,26 +174,30 @@ def _wait_log(log, text: str, timeout_s: float, launcher) -> None:
         time.sleep(1)
 
 
-DECODE_PORT = 18300
+SCALED_PORT = 18300
 
 
 @pytest.mark.patched_only
 @pytest.mark.timeout(2400)
-def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
-    """1 prefill (B) + 2 decode (C, D): the router balances over both decode
-    instances and /metrics shows every instance. Then node D is gone under
-    load (its Ray worker and servers killed): requests in flight on D end
-    with a clean error, every request started after it is served by C, the
-    launcher keeps the deployment up and says so, /health answers 503 (an
-    instance down). D's Ray worker started again: the lost instance is
-    started there and rejoins; /health 200, both decode instances serve,
-    0 KV blocks held at idle, clean stop."""
+@pytest.mark.parametrize("scaled", ["decode", "prefill"], ids=["1p2d", "2p1d"])
+def test_scale_out_and_a_node_lost_and_back(scaled, request):
+    """Two instances of the `scaled` role on nodes B/C and D, one of the
+    other role (1 prefill + 2 decode, then 2 prefill + 1 decode): the router
+    balances over the two and /metrics shows every instance. Then node D is
+    gone under load (its Ray worker and servers killed): requests in flight
+    on D end with a clean error, every request started after it is served
+    by the other instance of the role, the launcher keeps the deployment up
+    and says so, /health answers 503 (an instance down). D's Ray worker
+    started again: the lost instance is started there and rejoins; /health
+    200, both instances of the role serve, 0 KV blocks held at idle, clean
+    stop."""
     import urllib.request
 
     _schemas()
-    c = cluster_1p2d
-    launcher, ready = _launch_example(c, "--decode", "2",
-                                      "--decode-port", str(DECODE_PORT))
+    c = request.getfixturevalue("cluster_1p2d" if scaled == "decode" else "cluster_2p1d")
+    single = "prefill" if scaled == "decode" else "decode"
+    launcher, ready = _launch_example(c, f"--{scaled}", "2",
+                                      f"--{scaled}-port", str(SCALED_PORT))
     log = c.root / "launch.log"
     url = ready["url"]
     client = _client(url)
@@ -198,17 +205,19 @@ def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
     ips = {n: c.nodes[n].ip for n in "BCD"}
     on = {name: next(n for n, ip in ips.items() if i["url"].startswith(f"http://{ip}:"))
           for name, i in by_name.items()}
-    assert on["prefill-0"] == "B" and {on["decode-0"], on["decode-1"]} == {"C", "D"}, on
-    d_name = next(n for n in ("decode-0", "decode-1") if on[n] == "D")
-    c_name = next(n for n in ("decode-0", "decode-1") if on[n] == "C")
+    pair = (f"{scaled}-0", f"{scaled}-1")
+    assert on[f"{single}-0"] == c.node_of(single)[0] and \
+        {on[n] for n in pair} == {*c.node_of(scaled)}, on
+    d_name = next(n for n in pair if on[n] == "D")
+    s_name = next(n for n in pair if on[n] != "D")
     report: dict = {"placement": on}
 
     # 1. balanced, /metrics shows every instance
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    for role, idx in (("prefill", 0), ("decode", 0), ("decode", 1)):
+    for role, idx in ((single, 0), (scaled, 0), (scaled, 1)):
         assert f'pd_role="{role}",pd_index="{idx}"' in text, (role, idx)
-    served = _served_per_decode(client, by_name, (c_name, d_name), _requests(12))
+    served = _served_per(client, by_name, (s_name, d_name), _requests(12))
     report["balanced"] = served
     assert all(v >= 4 for v in served.values()), served
 
@@ -235,18 +244,18 @@ def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
         "requests": len(reqs), "ok": sum(o["error"] is None for o in outs),
         "errors": sorted({o["error"][:120] for o in outs if o["error"]}),
         "max_s": round(max(o["s"] for o in outs), 1)}
-    # started after the fault: all served, by C
-    c0 = _decode_successes(by_name[c_name])
+    # started after the fault: all served, by the survivor
+    s0 = _successes(by_name[s_name])
     reqs = _requests(6, offset=90)
     t0 = time.monotonic()
     outs = _batch(client, reqs)
     health.add(_health(url))
     assert [o["error"] for o in outs] == [None] * 6, outs
     _check_stop_valid(reqs, outs)
-    assert _decode_successes(by_name[c_name]) - c0 == 6
+    assert _successes(by_name[s_name]) - s0 == 6
     report["after_gone"] = {"ok": 6, "wall_s": round(time.monotonic() - t0, 1)}
     _wait_log(log, f"{d_name} on node {ips['D']} lost", 180, launcher)
-    assert f"The deployment keeps serving: decode requests go to {c_name}" \
+    assert f"The deployment keeps serving: {scaled} requests go to {s_name}" \
         in log.read_text()
     report["lost_logged_s_after"] = round(time.monotonic() - window["gone"], 1)
     health.add(_health(url))
@@ -260,14 +269,13 @@ def test_scale_out_and_a_decode_node_lost_and_back(cluster_1p2d):
     report["rejoined_s"] = round(time.monotonic() - back, 1)
     assert f"{d_name} started again on node {ips['D']}" in log.read_text()
     assert _health(url) == 200
-    served = _served_per_decode(client, by_name, (c_name, d_name),
-                                _requests(6, offset=100))
+    served = _served_per(client, by_name, (s_name, d_name), _requests(6, offset=100))
     report["after_rejoin"] = served
     assert all(v >= 2 for v in served.values()), served
     idle = _idle(ready["instances"])
     report["idle"] = idle
     report["stop_answers_with_raw_control_characters"] = len(CONTROL_CHARS)
-    print("\nMULTINODE-NODE-LOST " + json.dumps(report))
+    print(f"\nMULTINODE-NODE-LOST-{scaled.upper()} " + json.dumps(report))
     assert wl.is_idle(idle), idle
 
     launcher.send_signal(signal.SIGINT)
@@ -284,30 +292,33 @@ PREFILL_PARTITION_S = 30
 
 @pytest.mark.patched_only
 @pytest.mark.timeout(1800)
-@pytest.mark.xfail(strict=True, reason=(
-    "every fault outcome holds (runs of 2026-12-04), but after a 30 s partition "
-    "Ray marks node B dead (its health check), B's supervisor actor goes, and at "
-    "the stop vLLM's EngineCore is left running on B (the launcher's stop gets "
-    "ActorUnavailableError; PDEATHSIG reaches the API server, not its engine "
-    "core): not fixed yet"))
 def test_the_prefill_nodes_link_down_under_load(cluster):
     """The prefill node's (B) link down for 30 s while long streams decode
     on C and 4 more requests arrive during the partition (their prefill
     cannot reach B): every request ends within the bound with an answer
     or a clean error, the router's /health answers 503 at every probe
-    while B is cut off and 200 after, the launcher keeps the deployment,
-    later requests are served, 0 KV blocks held at idle, every `stop`
-    answer valid."""
+    while B is cut off. Ray declares a node dead after about 30 s without
+    its health checks (its defaults), and B's Ray worker then exits once
+    the link is back, ending B's supervisor: then the launcher keeps the
+    deployment (B's was the only prefill instance: requests get a clean
+    503 meanwhile), nothing of the server is left on B (its engine core
+    included: the guard), and once B's Ray worker is started again (what a
+    service manager does) the instance is started there and rejoins. If
+    Ray keeps B, the instance just goes on serving. Either way: later
+    requests are served, 0 KV blocks held at idle, every `stop` answer
+    valid, and a clean stop leaves nothing on any node."""
     import concurrent.futures as cf
 
     from .test_multinode import _send
 
     _schemas()
     c = cluster
-    launcher, ready = _launch_example(c)
+    # a fixed port: an instance started again keeps its address
+    launcher, ready = _launch_example(c, "--prefill-port", str(SCALED_PORT))
     log = c.root / "launch.log"
     url = ready["url"]
     client = _client(url)
+    b_ip = c.nodes["B"].ip
     window: dict = {}
     health: set = set()
     late_reqs = _requests(4, offset=120)
@@ -333,7 +344,7 @@ def test_the_prefill_nodes_link_down_under_load(cluster):
     t0 = time.monotonic()
     outs = _batch(client, reqs, during=cut)
     all_reqs, all_outs = reqs + late_reqs, outs + late
-    report = {"prefill_partition": {
+    report: dict = {"prefill_partition": {
         "seconds": PREFILL_PARTITION_S, "wall_s": round(time.monotonic() - t0, 1),
         "requests": len(all_reqs), "ok": sum(o["error"] is None for o in all_outs),
         "started_during_partition_ok": sum(o["error"] is None for o in late),
@@ -350,6 +361,38 @@ def test_the_prefill_nodes_link_down_under_load(cluster):
     _check_stop_valid(all_reqs, all_outs)
     assert health == {503}, health
     assert launcher.poll() is None, log.read_text()[-3000:]
+
+    # Did Ray declare B dead? (its worker exits and the supervisor with it)
+    lost_line = f"prefill-0 on node {b_ip} lost"
+    deadline = time.monotonic() + 120
+    while lost_line not in log.read_text() and time.monotonic() < deadline:
+        assert launcher.poll() is None, log.read_text()[-3000:]
+        time.sleep(2)
+    after: dict = {"ray_declared_b_dead": lost_line in log.read_text()}
+    if after["ray_declared_b_dead"]:
+        after["lost_logged_s_after_link_up"] = round(time.monotonic() - window["up"], 1)
+        assert "No prefill instance serves now: requests get a 503" in log.read_text()
+        # a request meanwhile: a clean 503 at once, no hang
+        out = _send(client, _requests(1, offset=140)[0])
+        assert out["error"] and out["error"].startswith("InternalServerError") \
+            and "no prefill instance is serving" in out["error"] and out["s"] < 5, out
+        assert _health(url) == 503
+        # nothing of the server left on B (before the guard: its engine core)
+        deadline = time.monotonic() + 60
+        while _servers_on(c, "B"):
+            assert time.monotonic() < deadline, (
+                "vLLM processes left on B after its supervisor ended",
+                [open(f"/proc/{p}/cmdline", "rb").read()[:120] for p in _servers_on(c, "B")
+                 if os.path.exists(f"/proc/{p}")])
+            time.sleep(1)
+        # B's Ray worker started again, as a service manager would
+        c.stop_node("B")  # what is left of its Ray processes, if anything
+        back = time.monotonic()
+        c.start_worker("B")
+        _wait_log(log, "prefill-0 rejoined", 400, launcher)
+        after["rejoined_s_after_worker_start"] = round(time.monotonic() - back, 1)
+        assert f"prefill-0 started again on node {b_ip}" in log.read_text()
+        assert "prefill serves again after" in log.read_text()
     deadline = time.monotonic() + 120
     while _health(url) != 200:
         assert time.monotonic() < deadline, "router /health not 200 after the partition"
@@ -359,7 +402,8 @@ def test_the_prefill_nodes_link_down_under_load(cluster):
     assert [o["error"] for o in outs] == [None] * 6, outs
     _check_stop_valid(reqs, outs)
     idle = _idle(ready["instances"])
-    report["after"] = {"ok": 6, "idle": idle}
+    after.update(ok=6, idle=idle)
+    report["after"] = after
     report["stop_answers_with_raw_control_characters"] = len(CONTROL_CHARS)
     print("\nMULTINODE-PREFILL-PARTITION " + json.dumps(report))
     assert wl.is_idle(idle), idle
@@ -370,3 +414,4 @@ def test_the_prefill_nodes_link_down_under_load(cluster):
         assert left == [], (n, [open(f"/proc/{p}/cmdline", "rb").read()[:200]
                                 for p in left if os.path.exists(f"/proc/{p}")],
                             log.read_text()[-3000:])
+    assert list((c.root / "tmp").glob("vllm-patch-launch-*")) == []
