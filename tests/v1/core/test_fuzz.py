@@ -21,7 +21,7 @@ Grammar-aware draft source (`fuzz.episodes("grammar")`: the drafts the
 scheduler sees come from grammar-aware drafting's own code, masked and
 forced drafts and the forced continuation over shadow grammars, on real
 JSONSchemaBench schemas too): the same two properties over
-VLLM_PATCH_FUZZ_GRAMMAR_EXAMPLES episodes (default 30, 3-15 s per
+VLLM_PATCH_FUZZ_GRAMMAR_EXAMPLES episodes (default 30, 2-15 s per
 mode per vLLM version); the patched test also checks that the drafting
 code's paths ran (masked, forced, forced continuation, drafts trimmed
 after the grammar's end, xgrammar's batched calls, both backends, both
