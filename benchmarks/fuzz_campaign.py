@@ -24,6 +24,8 @@ resumable:
   seed);
 - `--until HH:MM` (UTC) or `--seconds N`: stop cleanly after the episode
   running at that time; partial results are always reported;
+- `--drafts grammar`: the drafts the scheduler sees come from grammar-aware
+  drafting's own code (`vllm_patch.testing.fuzz`, draft sources);
 - every violating episode is appended to FILE.violations.jsonl (property,
   request, detail, the `EpisodeSpec` repr: `eval` it in the namespace of
   `vllm_patch.testing.fuzz` and pass it to `run_episode` to replay).
@@ -93,12 +95,15 @@ def worker(a: argparse.Namespace) -> None:
     mode = "stock" if os.environ.get("VLLM_PATCH_DISABLE") == "1" else "patched"
     st = _load(a.state)
     if st and (st.get("vllm") != vllm_version() or st.get("mode") != mode
-               or st.get("seed") != a.seed or st.get("chunk") != a.chunk):
+               or st.get("seed") != a.seed or st.get("chunk") != a.chunk
+               or st.get("drafts", "random") != a.drafts):
         sys.exit(f"--state {a.state} belongs to another campaign "
                  f"({st.get('vllm')} {st.get('mode')} seed {st.get('seed')} "
-                 f"chunk {st.get('chunk')})")
+                 f"chunk {st.get('chunk')} drafts "
+                 f"{st.get('drafts', 'random')})")
     st = st or {"vllm": vllm_version(), "mode": mode, "seed": a.seed,
-                "chunk": a.chunk, "episodes": 0, "violating_episodes": 0,
+                "chunk": a.chunk, "drafts": a.drafts, "episodes": 0,
+                "violating_episodes": 0, "draft_stats": {},
                 "steps": 0, "seconds": 0.0, "next_chunk": 0, "chunk_done": 0,
                 "episodes_violating_property": {}, "examples": []}
     per_prop = collections.Counter(st["episodes_violating_property"])
@@ -142,7 +147,7 @@ def worker(a: argparse.Namespace) -> None:
         @settings(max_examples=n, deadline=None, database=None,
                   phases=[Phase.generate],
                   suppress_health_check=list(HealthCheck))
-        @given(fuzz.episodes())
+        @given(fuzz.episodes(a.drafts))
         def run(spec: fuzz.EpisodeSpec) -> None:
             seen[0] += 1
             if seen[0] <= skip:
@@ -154,6 +159,10 @@ def worker(a: argparse.Namespace) -> None:
             r = fuzz.run_episode(spec)
             st["episodes"] += 1
             st["steps"] += r.steps
+            if r.draft_stats:
+                ds = collections.Counter(st.setdefault("draft_stats", {}))
+                ds.update(r.draft_stats)
+                st["draft_stats"] = dict(ds)
             st["chunk_done"] += 1
             props = r.properties()
             if props:
@@ -195,12 +204,22 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def report(res: dict) -> None:
-    print(f"vLLM {res['vllm']} {res['mode']}: {res['episodes']} episodes "
+    print(f"vLLM {res['vllm']} {res['mode']}, "
+          f"{res.get('drafts', 'random')} drafts: {res['episodes']} episodes "
           f"({res['steps']} engine steps, {res['seconds']} s; "
           f"stopped: {res.get('stopped')}), "
           f"{res['violating_episodes']} with a violation")
     for p, n in sorted(res["episodes_violating_property"].items()):
         print(f"    {p}: {n} episodes")
+    ds = res.get("draft_stats") or {}
+    if ds:
+        keys = ("propose_calls", "positions", "masked_changed", "forced",
+                "forced_ahead", "forced_ahead_accepted", "ended",
+                "drafts_trimmed", "shadows", "shadows_lost",
+                "xgr_batch_accept_calls", "xgr_batch_rollback_calls",
+                "xgr_flags_slow")
+        print("    grammar-aware drafting: " + ", ".join(
+            f"{k} {ds.get(k, 0)}" for k in keys))
     for ex in res["examples"]:
         print("  e.g.", ex[:1500])
 
@@ -217,6 +236,12 @@ def main() -> None:
     ap.add_argument("--until", default=None, help="HH:MM UTC: stop then")
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--show", type=int, default=3)
+    ap.add_argument("--drafts", choices=["random", "grammar"],
+                    default="random",
+                    help="draft source: the simulated drafter's random "
+                         "drafts, or grammar-aware drafting's own code "
+                         "(masked / forced drafts, forced continuation; "
+                         "JSONSchemaBench schemas too)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -235,7 +260,7 @@ def main() -> None:
             env["VLLM_PATCH_DISABLE"] = "1"
         cmd = [sys.executable, __file__, "--worker", "--episodes",
                str(a.episodes), "--show", str(a.show), "--seed", str(a.seed),
-               "--chunk", str(a.chunk)]
+               "--chunk", str(a.chunk), "--drafts", a.drafts]
         if a.state:
             state = a.state if len(modes) == 1 else f"{a.state}-{mode}"
             cmd += ["--state", state]

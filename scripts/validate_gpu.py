@@ -174,6 +174,30 @@ def _draft_skip_counters(llm) -> dict:
     return dict(total)
 
 
+# Grammar-aware drafting's counters shown in the table (all of them in
+# --json): positions drafted under a grammar, xgrammar's batched calls,
+# results read element by element.
+DRAFT_KEYS = ("positions", "forced_ahead", "shadows_lost",
+              "xgr_batch_accept_calls", "xgr_flags_slow")
+
+
+def _grammar_draft_counters(llm, runner: str) -> dict:
+    """The worker's grammar-aware drafting counters (`active` 0 when stock
+    or off; {} when they cannot be read, e.g. multiprocess workers without
+    VLLM_ALLOW_INSECURE_SERIALIZATION)."""
+    try:
+        if runner == "V2":
+            from vllm_patch.v1.worker.gpu.spec_decode.speculator import (
+                grammar_draft_stats)
+        else:
+            from vllm_patch.v1.spec_decode.grammar_drafts import (
+                grammar_draft_stats)
+        per = llm.collective_rpc(grammar_draft_stats)
+    except Exception:  # noqa: BLE001 - counters are informative only
+        return {}
+    return dict(per[0]) if per else {}
+
+
 def run_child(cfg: dict) -> dict:
     if cfg["cpu_interpreter"]:
         _cpu_interpreter_setup()
@@ -213,6 +237,7 @@ def run_child(cfg: dict) -> dict:
                             use_tqdm=False)
         spec = engine.counts_delta(engine.spec_decode_counts(llm), before)
         skip = _draft_skip_counters(llm)
+        drafting = _grammar_draft_counters(llm, cfg["runner"])
         runner = llm.collective_rpc(
             lambda w: type(getattr(w, "model_runner", w)).__module__)
     finally:
@@ -225,7 +250,7 @@ def run_child(cfg: dict) -> dict:
         if bad:
             problems.append(f"{kind} {prompt!r}: {'; '.join(bad)}")
     return {"counts": dict(counts), "spec": spec, "draft_skip": skip,
-            "runner_module": runner[0] if runner else "", "problems": problems,
+            "grammar_drafts": drafting, "runner_module": runner[0] if runner else "", "problems": problems,
             "seconds": round(time.time() - t0, 1)}
 
 
@@ -268,6 +293,9 @@ def row_text(cfg: dict, res: dict) -> str:
             f"post-grammar tokens {c.get('post_grammar_tokens', 0)}  "
             f"finish {finish}  accepted/drafted {s['accepted']}/{s['draft_tokens']}"
             + (f"  draft skip {res['draft_skip']}" if res.get("draft_skip") else "")
+            + (f"  grammar-aware drafting "
+               f"{ {k: g.get(k) for k in DRAFT_KEYS} }"
+               if (g := res.get("grammar_drafts") or {}).get("active") else "")
             + f"  ({res['seconds']} s)")
 
 

@@ -146,6 +146,40 @@ def test_grammar_drafts_engine(backend, inproc, patched, monkeypatch):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.patched_only
+def test_grammar_drafts_engine_always_walk(inproc, patched, monkeypatch):
+    """VLLM_PATCH_DRAFT_COST_MODEL=0: every step drafts under the grammar
+    (the cost model never keeps a step stock, never goes dormant), xgrammar.
+    Greedy outputs token-identical to non-speculative decoding; the
+    counters show every step walked, the forced continuation drafted, and
+    xgrammar's batched matcher calls (several rows per call, results read
+    in one call). Patched only: stock has no grammar-aware drafting to
+    force on (and greedy speculative decoding is identical there too)."""
+    backend = "xgrammar"
+    schemas = _schemas(backend)
+    assert len(schemas) == NUM_SCHEMAS, "not enough schemas the backend takes"
+    monkeypatch.setenv("VLLM_PATCH_DRAFT_COST_MODEL", "0")
+    outs, spec, _, stats = _generate(backend, schemas, spec=True)
+    monkeypatch.delenv("VLLM_PATCH_DRAFT_COST_MODEL")
+    per_step = _tokens_per_step(outs, spec)
+    print(f"\nGRAMMAR-DRAFTS always-walk {backend} draft_model k={K}: "
+          f"{per_step:.2f} tokens per step, spec {spec}, worker {stats}")
+    reference = _reference(backend, schemas, monkeypatch)
+    for got, want in zip(outs, reference):
+        assert list(got.outputs[0].token_ids) == want
+    (s,) = stats
+    assert s["active"] == 1 and s["shadows"] == NUM_SCHEMAS, s
+    assert s["shadows_lost"] == 0 and s["positions"] > 0, s
+    assert s["cost_steps_off"] == 0 and s["cost_steps_on"] > 0, s
+    assert s["cost_dormant_periods"] == 0, s
+    assert s["forced_ahead"] > 0, s
+    assert s["xgr_batch_accept_calls"] > 0, s
+    assert s["xgr_batch_accept_rows"] > s["xgr_batch_accept_calls"], s
+    assert s["xgr_flags_slow"] == 0, s
+    assert per_step >= 0.75 * (K + 1), per_step
+
+
+@pytest.mark.timeout(600)
 def test_grammar_drafts_multiprocess_worker(patched, monkeypatch):
     """The OpenAI server's executor: one worker in its own process, no
     scheduler beside the drafter. Patched: the worker compiles its own

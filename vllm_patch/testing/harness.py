@@ -507,7 +507,9 @@ class Harness:
           request's bitmask rows or None.
         - `drafter(h, req_id, ctx) -> list[int]`: drafts proposed after the
           request's newest sampled step (taken as EngineCore does: async in
-          the deferred branch, sync in post_step).
+          the deferred branch, sync in post_step); a drafter with a
+          `batch(h, req_ids, ctxs) -> {req_id: drafts}` method proposes
+          for the step's rows at once.
         """
         self.engine_depth = depth
         self.batch_queue: deque[Any] = deque()
@@ -518,6 +520,7 @@ class Harness:
         self._ctx_resets: dict[str, int] = {}
         self._raw_drafts: dict[str, list[int]] = {}
         self._last_sampled: Any = None
+        self.sampling: Any = None
         # id(scheduler output) -> block ids reported as failed KV loads
         self._kv_fail: dict[int, set[int]] = {}
 
@@ -559,12 +562,18 @@ class Harness:
         self.grammar_bitmask(so)
         rec: StepRecord = so._vllm_patch_record
         out: dict[str, list[int]] = {}
-        for rid in so._vllm_patch_samples:
-            rows = rec.bitmask_rows.get(rid) if rec.bitmask_rows else None
-            spec = list(so.scheduled_spec_decode_tokens.get(rid, ()))
-            toks = list(self.sampler(self, rid, rec.ctx[rid], rows, spec))
-            out[rid] = toks
-            self.worker_ctx.setdefault(rid, []).extend(toks)
+        # The step being sampled (a drafter proposing for the rows
+        # scheduled with placeholders reads their batch from it).
+        self.sampling = so
+        try:
+            for rid in so._vllm_patch_samples:
+                rows = rec.bitmask_rows.get(rid) if rec.bitmask_rows else None
+                spec = list(so.scheduled_spec_decode_tokens.get(rid, ()))
+                toks = list(self.sampler(self, rid, rec.ctx[rid], rows, spec))
+                out[rid] = toks
+                self.worker_ctx.setdefault(rid, []).extend(toks)
+        finally:
+            self.sampling = None
         rec.sampled = out
         self._last_sampled = so
 
@@ -598,8 +607,12 @@ class Harness:
             return None
         ids = [r for r in last._vllm_patch_samples
                if r in self.scheduler.requests]
-        raw = {r: list(self.drafter(self, r, list(self.worker_ctx.get(r, []))))
-               for r in ids}
+        ctxs = {r: list(self.worker_ctx.get(r, [])) for r in ids}
+        batch = getattr(self.drafter, "batch", None)
+        if batch is not None:  # one propose over the batch
+            raw = {r: list(x) for r, x in batch(self, ids, ctxs).items()}
+        else:
+            raw = {r: list(self.drafter(self, r, ctxs[r])) for r in ids}
         return DraftTokenIds(ids, [raw[r] for r in ids]), raw
 
     def engine_step(self) -> bool:

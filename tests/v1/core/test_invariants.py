@@ -243,3 +243,43 @@ def test_detects_double_free_and_referenced_block_at_idle(patched):
     assert [v.invariant for v in got] == ["idle_pool"]
     assert "still referenced" in got[0].detail
     blk.ref_cnt = 0
+
+
+@pytest.mark.parametrize("backend", ["guidance", "outlines"])
+def test_user_stop_token_inside_structured_output_is_not_a_violation(
+        backend, patched):
+    """A user's stop token the grammar allows mid-output (a letter inside a
+    JSON string) ends the request with "stop" where it appears, grammar
+    complete or not: vLLM's stop_token_ids, on stock and patched alike
+    (guidance and outlines; xgrammar makes the user's stop tokens grammar
+    stop tokens, which its bitmask allows only where the grammar may end).
+    stop_complete must not flag it (it did: the fuzzer's grammar-aware draft
+    source with real JSONSchemaBench schemas found it, patched and stock,
+    on 0.32 and 0.33). The exemption is the user's stop token only: the
+    same incomplete output with another stop reason is not excused."""
+    h = Harness(backend)
+    inv.instrument(h.scheduler)
+    got: list = []
+    inv.set_mode(h.scheduler, "record", got.append)
+    z = h.tok("z")
+    schema = {"type": "object", "properties": {"a": {"type": "string"}},
+              "required": ["a"], "additionalProperties": False}
+    rid = h.add_request([70, 71], json=schema, stop_token_ids=[z],
+                        ignore_eos=True)
+    text = h.encode('{"a":"') + [z]
+    for t in text:
+        if h.request(rid).is_finished():
+            break
+        h.step({rid: [t]})
+    assert h.request(rid).is_finished()
+    assert h.emitted(rid).finish_reason == "stop"
+    assert h.request(rid).stop_reason == z
+    assert [v.invariant for v in got] == [], got
+    h.drain()
+    inv.checker(h.scheduler).check_idle()
+    # The user's stop token ended it; another reason with the same
+    # incomplete output does not excuse it.
+    req = h.request(rid)
+    assert inv._user_stop(req)
+    req.stop_reason = None
+    assert not inv._user_stop(req)

@@ -216,12 +216,13 @@ def _batch_api() -> Any:
 _BATCH: Any = False
 
 
-def _flags(array: Any, n: int) -> list[bool]:
+def _flags(array: Any, n: int, stats: dict | None = None) -> list[bool]:
     """The batched accept's n results as Python bools. Its result is a
     tvm-ffi Array, whose iteration costs a Python generator step and a
     foreign call per element (about 0.6 us: more than the accept itself):
     read in one call through its printed form, "(1, 0, ...)", checked
-    element by element, else element by element."""
+    element by element, else element by element (counted in `stats` as
+    `xgr_flags_slow`, said once in the log)."""
     try:
         from tvm_ffi import container
 
@@ -231,12 +232,30 @@ def _flags(array: Any, n: int) -> list[bool]:
             items = text[1:-1].rstrip(",").split(", ")
             if len(items) == n and all(x in ("0", "1") for x in items):
                 return [x == "1" for x in items]
-        return [bool(api.ArrayGetItem(array, i)) for i in range(n)]
+        out = [bool(api.ArrayGetItem(array, i)) for i in range(n)]
     except Exception:  # noqa: BLE001 - another FFI: its own iteration
-        return [bool(x) for x in array]
+        out = [bool(x) for x in array]
+    _slow_flags(stats)
+    return out
 
 
-def _try_each(shadows: Sequence[Shadow], tokens: Sequence[int]) -> list[bool]:
+_SLOW_FLAGS_SAID = False
+
+
+def _slow_flags(stats: dict | None) -> None:
+    global _SLOW_FLAGS_SAID
+    if stats is not None:
+        stats["xgr_flags_slow"] += 1
+    if not _SLOW_FLAGS_SAID:
+        _SLOW_FLAGS_SAID = True
+        logger.info("vllm_patch: grammar-aware drafting reads xgrammar's "
+                    "batched accept results element by element (this "
+                    "xgrammar / tvm-ffi prints them differently): correct, "
+                    "slower")
+
+
+def _try_each(shadows: Sequence[Shadow], tokens: Sequence[int],
+              stats: dict | None = None) -> list[bool]:
     """`_try(shadows[i], tokens[i])` for every i: xgrammar's shadows in one
     batched call, the others one by one. Same outcome as the loop: each
     shadow's try touches its own grammar only."""
@@ -247,14 +266,17 @@ def _try_each(shadows: Sequence[Shadow], tokens: Sequence[int]) -> list[bool]:
     if api is None:
         return [_try(sh, tok) for sh, tok in zip(shadows, tokens)]
     fast = [j for j in range(n) if shadows[j].handle is not None]
+    if fast and stats is not None:
+        stats["xgr_batch_accept_calls"] += 1
+        stats["xgr_batch_accept_rows"] += len(fast)
     if len(fast) == n:
         return _flags(api.batch_accept_token(
-            [sh.handle for sh in shadows], list(tokens), False), n)
+            [sh.handle for sh in shadows], list(tokens), False), n, stats)
     out = [False] * n
     if fast:
         got = _flags(api.batch_accept_token(
             [shadows[j].handle for j in fast], [tokens[j] for j in fast],
-            False), len(fast))
+            False), len(fast), stats)
         for j, ok in zip(fast, got):
             out[j] = bool(ok)
     for j in range(n):
@@ -264,7 +286,8 @@ def _try_each(shadows: Sequence[Shadow], tokens: Sequence[int]) -> list[bool]:
 
 
 def _try_all_each(shadows: Sequence[Shadow],
-                  tokens: Sequence[Sequence[int]]) -> list[bool]:
+                  tokens: Sequence[Sequence[int]],
+                  stats: dict | None = None) -> list[bool]:
     """`_try_all(shadows[i], tokens[i])` for every i: xgrammar's shadows
     advance one column of tokens per batched call (a refusal rolls that
     shadow back to where it was), the others one by one."""
@@ -278,9 +301,12 @@ def _try_all_each(shadows: Sequence[Shadow],
             active.append(j)
     depth = 0
     while active:
+        if stats is not None:
+            stats["xgr_batch_accept_calls"] += 1
+            stats["xgr_batch_accept_rows"] += len(active)
         got = _flags(api.batch_accept_token(
             [shadows[j].handle for j in active],
-            [tokens[j][depth] for j in active], False), len(active))
+            [tokens[j][depth] for j in active], False), len(active), stats)
         nxt = []
         for j, ok in zip(active, got):
             if not ok:
@@ -295,7 +321,8 @@ def _try_all_each(shadows: Sequence[Shadow],
 
 
 def _rollback_each(shadows: Sequence[Shadow],
-                   keep: Sequence[int] | None = None) -> None:
+                   keep: Sequence[int] | None = None,
+                   stats: dict | None = None) -> None:
     """Every shadow back to its committed state plus the first `keep[i]`
     tokens of its path (none by default): xgrammar's in one batched call.
     As `_rollback`, vLLM's grammar object agrees with its matcher after it.
@@ -307,6 +334,9 @@ def _rollback_each(shadows: Sequence[Shadow],
     fast = [(sh, n) for sh, n in undo if sh.handle is not None] \
         if api is not None else []
     if len(fast) > 1:
+        if stats is not None:
+            stats["xgr_batch_rollback_calls"] += 1
+            stats["xgr_batch_rollback_rows"] += len(fast)
         api.batch_rollback([sh.handle for sh, _ in fast],
                            [n for _, n in fast])
         for sh, n in fast:
@@ -451,6 +481,14 @@ class Tracker:
         # logits' device (top-k, gathers, the masked argmax), ns: on a GPU
         # host that part runs on the GPU, not in the hooks' CPU time.
         "device_ns": 0,
+        # xgrammar's batched matcher calls (advance, try and roll back
+        # the batch's shadows in one C++ call each) and the rows they
+        # took; results read element by element (the slow read).
+        "xgr_batch_accept_calls": 0,
+        "xgr_batch_accept_rows": 0,
+        "xgr_batch_rollback_calls": 0,
+        "xgr_batch_rollback_rows": 0,
+        "xgr_flags_slow": 0,
     })
 
     @property
@@ -717,10 +755,10 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     walked = [sh for _, sh, _ in todo if sh.path]
     keep = {id(sh): _common(sh.path, toks) for _, sh, toks in todo
             if sh.path}
-    _rollback_each(walked, [keep[id(sh)] for sh in walked])
+    _rollback_each(walked, [keep[id(sh)] for sh in walked], t.stats)
     took = _try_all_each(
         [sh for _, sh, _ in todo],
-        [x[keep.pop(id(sh), 0):] for _, sh, x in todo])
+        [x[keep.pop(id(sh), 0):] for _, sh, x in todo], t.stats)
     for sh in walked:
         sh.path = []
     for (req_id, shadow, tokens), ok in zip(todo, took):
@@ -765,7 +803,7 @@ def begin(drafter: Any, batch_size: int) -> None:
         # A walk the last advance did not settle (its request committed
         # nothing since): back to the committed state first.
         _rollback_each([sh for sh in map(t.shadows.get, t.batch_req_ids)
-                        if sh is not None and sh.path])
+                        if sh is not None and sh.path], stats=t.stats)
         for i, req_id in enumerate(t.batch_req_ids):
             shadow = t.shadows.get(req_id)
             if shadow is not None:
@@ -1033,7 +1071,8 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
     if pending is not None:
         shadows = pending[0]
         tokens = flat[n * width:]
-        for sh, token, ok in zip(shadows, tokens, _try_each(shadows, tokens)):
+        got = _try_each(shadows, tokens, t.stats)
+        for sh, token, ok in zip(shadows, tokens, got):
             if not ok:
                 sh.walking = False
                 continue
@@ -1060,7 +1099,7 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             tries.append(r)
     todo: list[int] = []
     for r, ok in zip(tries, _try_each([rows[r][1] for r in tries],
-                                      [firsts[r] for r in tries])):
+                                      [firsts[r] for r in tries], t.stats)):
         if ok:
             chosen[r] = firsts[r]
         else:
@@ -1080,7 +1119,7 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             tokens = [more[r][c] for r in todo]
             left = []
             for r, token, ok in zip(todo, tokens, _try_each(
-                    [rows[r][1] for r in todo], tokens)):
+                    [rows[r][1] for r in todo], tokens, t.stats)):
                 if ok:
                     chosen[r] = token
                     by_mask.add(r)
@@ -1201,7 +1240,8 @@ def _masked_argmax(t: Tracker, logits: Any, ids: Any, bitmask: Any,
             sh.changed_at = pos
     if not defer:
         host = _to_host(t, tokens)
-        for sh, token, ok in zip(shadows, host, _try_each(shadows, host)):
+        got = _try_each(shadows, host, t.stats)
+        for sh, token, ok in zip(shadows, host, got):
             if not ok:
                 sh.walking = False
                 continue

@@ -9,8 +9,10 @@ EAGLE head, k = 4, JSON schema / choice / regex requests with and without
 ignore_eos, async scheduling on (the test-only switch) and off.
 
 Patched: every structured output valid, no token after the grammar's end,
-finish "stop" only, accepted <= drafted, and V2's draft-skip counters show
-the speculator skipped or its drafts withheld after a grammar's end.
+finish "stop" only, accepted <= drafted, V2's draft-skip counters show
+the speculator skipped or its drafts withheld after a grammar's end, and
+grammar-aware drafting (on by default) drafted under the grammars through
+xgrammar's batched matcher calls (results read in one call each).
 Stock (VLLM_PATCH_DISABLE=1): every ignore_eos request runs on past its
 grammar's end (the failure G2 removes); the others are right (control).
 
@@ -79,3 +81,8 @@ def test_v2_engine(method, async_, patched):
     assert skip.get("proposer_calls", 0) > 0, skip
     assert skip.get("skipped_request_drafts", 0) + \
         skip.get("dropped_request_drafts", 0) > 0, skip
+    # Grammar-aware drafting ran, through the batched xgrammar path.
+    g = res["grammar_drafts"]
+    assert g.get("active") == 1 and g.get("positions", 0) > 0, g
+    assert g.get("xgr_batch_accept_calls", 0) > 0, g
+    assert g.get("xgr_flags_slow") == 0, g

@@ -10,10 +10,19 @@ One child process runs three engines in turn: non-speculative (the
 reference token ids), speculative, and speculative with the feature
 switched off (VLLM_PATCH_MASKED_DRAFTS=0 VLLM_PATCH_FORCED_DRAFTS=0).
 
+Two variants: the cost model as shipped (it decides per step whether the
+batch drafts under the grammar), and `always-walk`
+(VLLM_PATCH_DRAFT_COST_MODEL=0: every step walks the grammar, never
+dormant).
+
 Patched: greedy outputs token-identical to non-speculative decoding, at
 least 0.75 (k + 1) = 3.75 tokens per target step on the structured
 requests, the speculator's counters show the shadow grammars at work (none
-lost), and with the feature switched off fewer tokens per step.
+lost) through xgrammar's batched matcher calls (advance and try over the
+batch's shadows in one call, results read in one call: none element by
+element), and with the feature switched off fewer tokens per step.
+always-walk: every drafting step walked (the cost model never kept one
+stock) and the grammar's forced continuation was drafted.
 Stock (VLLM_PATCH_DISABLE=1): the perfect drafter proposes the model's
 unconstrained choice, the grammar cuts it: below 3.75.
 
@@ -91,6 +100,8 @@ def _generate(schemas: list[dict], spec: bool) -> dict:
 
 
 def child(patched: bool) -> dict:
+    # The variant's switch is set for the speculative engines only.
+    always = os.environ.pop("_V2_DRAFTS_ALWAYS", "") == "1"
     mod = _script()
     mod._cpu_interpreter_setup()
     sys.path.insert(0, str(REPO))
@@ -102,7 +113,10 @@ def child(patched: bool) -> dict:
     schemas = engine.benchmark_schemas("xgrammar", NUM_SCHEMAS)
     if len(schemas) < NUM_SCHEMAS:
         return {"skip": "JSONSchemaBench sample missing"}
+    if always:
+        os.environ["VLLM_PATCH_DRAFT_COST_MODEL"] = "0"
     out = {"spec": _generate(schemas, spec=True)}
+    os.environ.pop("VLLM_PATCH_DRAFT_COST_MODEL", None)
     if patched:
         out["reference"] = _generate(schemas, spec=False)
         os.environ.update(OFF)
@@ -111,9 +125,13 @@ def child(patched: bool) -> dict:
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
-def test_v2_grammar_drafts_engine(patched):
+@pytest.mark.parametrize("always", [False, True],
+                         ids=["cost-model", "always-walk"])
+def test_v2_grammar_drafts_engine(patched, always):
     from vllm_patch.testing import jsonschemabench
 
+    if always and not patched:
+        pytest.skip("stock has no grammar-aware drafting to force on")
     if not (jsonschemabench.SCHEMAS / "Github_easy").is_dir():
         pytest.skip(jsonschemabench.MISSING)
     env = dict(os.environ)
@@ -122,8 +140,9 @@ def test_v2_grammar_drafts_engine(patched):
                VLLM_ALLOW_INSECURE_SERIALIZATION="1",
                VLLM_PATCH_JSONSCHEMABENCH=str(jsonschemabench.ROOT))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    for name in OFF:
+    for name in (*OFF, "VLLM_PATCH_DRAFT_COST_MODEL"):
         env.pop(name, None)
+    env["_V2_DRAFTS_ALWAYS"] = "1" if always else "0"
     proc = subprocess.run([sys.executable, __file__, "--child",
                            "1" if patched else "0"], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
@@ -137,6 +156,7 @@ def test_v2_grammar_drafts_engine(patched):
         or spec["runner"][0] == "vllm.v1.worker.cpu.model_runner", spec["runner"]
     target = 0.75 * (K + 1)
     print(f"\nV2-GRAMMAR-DRAFTS {'patched' if patched else 'stock'} "
+          f"{'always-walk ' if always else ''}"
           f"draft_model k={K}: {spec['per_step']:.2f} tokens per step "
           f"(target >= {target:.2f}); switched off: "
           f"{res['off']['per_step'] if 'off' in res else '-'}; spec "
@@ -150,6 +170,14 @@ def test_v2_grammar_drafts_engine(patched):
     (s,) = spec["stats"]
     assert s["active"] == 1 and s["shadows"] == NUM_SCHEMAS, s
     assert s["shadows_lost"] == 0 and s["positions"] > 0, s
+    # xgrammar's batched calls ran (two structured rows per step), their
+    # results read in one call each.
+    assert s["xgr_batch_accept_calls"] > 0, s
+    assert s["xgr_batch_accept_rows"] > s["xgr_batch_accept_calls"], s
+    assert s["xgr_flags_slow"] == 0, s
+    if always:
+        assert s["cost_steps_off"] == 0 and s["cost_steps_on"] > 0, s
+        assert s["forced_ahead"] > 0, s
     off = res["off"]
     assert off["ids"] == res["reference"]["ids"]
     assert off["stats"][0]["active"] == 0, off["stats"]

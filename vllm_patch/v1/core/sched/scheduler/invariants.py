@@ -21,7 +21,8 @@ processed step it checks:
                       same next-token bitmask, and (xgrammar, outlines) the
                       same num_processed_tokens
   stop_complete       a structured request finished with "stop" has a
-                      terminated shadow grammar (complete, grammar-valid);
+                      terminated shadow grammar (complete, grammar-valid),
+                      unless the user's own stop token ended it;
                       with a reasoning parser, once the reasoning ended (a
                       stop inside the reasoning commits no structured
                       content: vLLM leaves the reasoning unconstrained)
@@ -498,7 +499,8 @@ class Checker:
         # end: vLLM leaves reasoning unconstrained) commits no structured
         # content at all; stop_complete applies once the grammar started.
         if req.is_finished() and req.status.name == "FINISHED_STOPPED" \
-                and not sh.reasoning and not _complete(sh):
+                and not sh.reasoning and not _complete(sh) \
+                and not _user_stop(req):
             self.violate("stop_complete", req,
                          "finished with 'stop' but the grammar did not "
                          "terminate on the committed output")
@@ -560,6 +562,20 @@ class Checker:
         if bad:
             self.violate("double_free", None,
                          f"block(s) {bad[:8]} freed with ref_cnt 0")
+
+
+def _user_stop(req: Any) -> bool:
+    """The request stopped at one of the user's own stop_token_ids, its
+    last committed token: vLLM ends the output there wherever the grammar
+    stands (guidance and outlines allow such a token inside a JSON string;
+    xgrammar makes it one of the grammar's stop tokens, allowed only where
+    the grammar may end). The user asked for that end: not an incomplete
+    'stop' of the patches' making."""
+    reason = getattr(req, "stop_reason", None)
+    stops = getattr(req.sampling_params, "stop_token_ids", None) or ()
+    out = req.output_token_ids
+    return isinstance(reason, int) and not isinstance(reason, bool) \
+        and reason in stops and len(out) > 0 and out[-1] == reason
 
 
 def _complete(sh: _Shadow) -> bool:
