@@ -7,7 +7,11 @@ schemas, regex, choice; streaming and not); the decode server's NIXL
 metrics must show the KV read from B, not recomputed. Then the decode
 node's link goes down while requests have prefilled on B: B's KV blocks
 for them must return to free within the KV lease (`kv_lease_duration`, set
-short here with --kv-connector-extra-config). Needs `nixl` importable.
+short here with --kv-connector-extra-config). Then the decode server is
+SIGKILLed on C under load: requests in flight end with a clean error, its
+supervisor starts it again, the blocks B held for requests C never read
+are freed within the lease, later requests are served and 0 KV blocks are
+held at idle. Needs `nixl` importable.
 
     python -m pytest tests/multinode/test_multinode_nixl.py -m multinode -x -s
 """
@@ -190,7 +194,25 @@ def test_nixl_connector_across_namespaces(cluster):
     report["after"] = {"ok": 6, "idle": idle}
     assert wl.is_idle(idle), idle
 
-    # 4. clean stop
+    # 4. the decode server SIGKILLed on C under load: requests in flight end
+    # with a clean error, its supervisor starts it again, the blocks B held
+    # for requests C never read are freed within the lease, later requests
+    # are served, 0 KV blocks at idle
+    from .test_multinode_faults import _kill_under_load, _server_pid
+
+    p0 = _metrics(pre)
+    killed = _kill_under_load(c, client, url, _server_pid(c, "C"), offset=50)
+    reqs = _requests(6, offset=60)
+    outs = _batch(client, reqs)
+    assert [o["error"] for o in outs] == [None] * 6, outs
+    _check_stop_valid(reqs, outs)
+    idle = _idle(ready["instances"], timeout_s=LEASE_S + 60)
+    killed.update(idle=idle, expired=delta(_metrics(pre), p0,
+                                           "vllm:nixl_num_kv_expired_reqs_total"))
+    report["decode_killed"] = killed
+    assert wl.is_idle(idle), report
+
+    # 5. clean stop
     launcher.send_signal(signal.SIGINT)
     code = launcher.wait(timeout=180)
     report["stop"] = {"exit": code}
