@@ -320,6 +320,7 @@ class Lane:
         import torch
         from vllm.v1.spec_decode.eagle import EagleProposer
 
+        from vllm_patch.testing.harness import bare_eagle_proposer
         from vllm_patch.v1.spec_decode import llm_base_proposer as lbp
 
         self.world, self.mode, self.k, self.batch, self.rng = world, mode, k, batch, rng
@@ -334,15 +335,7 @@ class Lane:
         self.second = args.drafter_second
         self.config = world.config(mode, k, batch)
         self.manager = world.managers[mode]
-        d = EagleProposer.__new__(EagleProposer)
-        d.vllm_config = self.config
-        d.model = _Model()
-        d._enable_probabilistic_draft_probs = False
-        d.use_local_argmax_reduction = False
-        d.use_heterogeneous_vocab = False
-        d.parallel_drafting = False
-        d.num_speculative_tokens = k
-        d.device = torch.device("cpu")
+        d = bare_eagle_proposer(self.config, _Model(), k)
         self.drafter = d
         self.serial = 0
         self.reqs: list[dict[str, Any]] = []

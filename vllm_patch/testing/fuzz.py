@@ -43,7 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from vllm_patch.testing.harness import END_THINK, EOS, IM_END, THINK, Harness
+from vllm_patch.testing.harness import (END_THINK, EOS, IM_END, THINK, Harness,
+                                        bare_eagle_proposer)
 from vllm_patch.v1.core.sched.scheduler import invariants as inv
 
 # not_drained: after every request was aborted and the engine ran on, the
@@ -437,22 +438,14 @@ class GrammarDrafter:
         import weakref
 
         import torch
-        from vllm.v1.spec_decode.eagle import EagleProposer
 
         from vllm_patch.v1.spec_decode import grammar_drafts as gd
 
         self.gd = gd
         self.model = model
         self.k = k
-        d = EagleProposer.__new__(EagleProposer)
-        d.vllm_config = h.vllm_config
-        d.model = SimpleNamespace(compute_logits=lambda hs: hs.clone())
-        d._enable_probabilistic_draft_probs = False
-        d.use_local_argmax_reduction = False
-        d.use_heterogeneous_vocab = False
-        d.parallel_drafting = False
-        d.num_speculative_tokens = k
-        d.device = torch.device("cpu")
+        d = bare_eagle_proposer(h.vllm_config,
+                                SimpleNamespace(compute_logits=lambda hs: hs.clone()), k)
         self.drafter = d
         self.vocab = int(h.vllm_config.model_config.get_vocab_size())
         self.torch = torch

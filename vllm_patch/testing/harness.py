@@ -99,6 +99,27 @@ def fake_runner_output(so: Any, sampled: dict[str, list[int]],
         kv_connector_output=kv_connector_output,
     )
 
+def bare_eagle_proposer(vllm_config: Any, model: Any, k: int) -> Any:
+    """vLLM's own EagleProposer without its __init__ (which loads a model and
+    allocates device buffers): the attributes `_sample_draft_tokens` and
+    grammar-aware drafting read, on the CPU, drafting `k` tokens with
+    `model.compute_logits`. For the fuzzer's and the cost benchmark's
+    drafters."""
+    import torch
+    from vllm.v1.spec_decode.eagle import EagleProposer
+
+    d = EagleProposer.__new__(EagleProposer)
+    d.vllm_config = vllm_config
+    d.model = model
+    d._enable_probabilistic_draft_probs = False
+    d.use_local_argmax_reduction = False
+    d.use_heterogeneous_vocab = False
+    d.parallel_drafting = False
+    d.num_speculative_tokens = k
+    d.device = torch.device("cpu")
+    return d
+
+
 class Harness:
     """A real scheduler driven by hand. See the module docstring."""
 
