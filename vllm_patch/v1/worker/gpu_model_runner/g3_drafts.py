@@ -387,7 +387,8 @@ PATCHES: list[Patch] = [
                 ".grammar_bitmask",
                 "bitmask row layout read by grammar_end.request_rows (0.32: "
                 "1 + len(drafts) rows packed; 0.33: k + 1 per request) and "
-                "reasoning rows (all-ones, minus masked reasoning ends)"),
+                "reasoning rows (all-ones, minus masked reasoning ends)",
+                on_build=True),
             pin("vllm.v1.structured_output:StructuredOutputManager"
                 "._create_grammar",
                 "grammars are compiled with the request's all_stop_token_ids "
