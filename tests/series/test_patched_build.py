@@ -336,7 +336,9 @@ def test_status_reads_native_with_the_plugin_installed(env):
     # G3's rows in it) pass, as on the release with the plugin.
     assert g3_tests.returncode == 0, g3_tests.stdout[-4000:] + g3_tests.stderr[-2000:]
     summary = g3_tests.stdout.strip().splitlines()[-1]
-    assert re.match(r"\d+ passed", summary) and "failed" not in summary, summary
+    # Skipped: the stop-on-termination opt-out's test (no effect on a build
+    # that carries G2).
+    assert re.match(r"20 passed, 1 skipped", summary), summary
     assert not series_env.has_plugin(env)  # removed again
 
 
