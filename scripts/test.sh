@@ -14,7 +14,7 @@ vLLM 0.33.0 (its Python package on PYTHONPATH; its CUDA build cannot run on a
 CPU, so only the tiers that need no engine run there), each twice: patched,
 and stock (VLLM_PATCH_DISABLE=1), where every guarantee test must observe the
 failure the patch removes. With no option it runs everything, as CI does
-(about 50 minutes on 2 cores; the series tier about 2.5 more, 4 on the first
+(about 50 minutes on 2 cores; the series tier about 4 more, 5 on the first
 run, which copies the venv).
 
   --vllm V        only vLLM V (0.32 or 0.33); default: both

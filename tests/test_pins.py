@@ -220,3 +220,26 @@ def test_nearest_series(audit_vllm):
     known = ("0.32", "0.33")
     assert audit_vllm.nearest_series("0.31", known) == "0.32"
     assert audit_vllm.nearest_series("0.34", known) == "0.33"
+
+
+def test_patches_applied_on_the_series_build_accept_its_digests():
+    """On a vLLM build made from the patch series the plugin still applies
+    every patch the series does not replace (nor a guarantee it carries
+    whole): a pin of such a patch on a function the series changes
+    (audited.BUILD_DIGESTS) must accept the build's source, or the patch,
+    and with it its guarantee, would not apply there."""
+    from vllm_patch import series
+
+    for version in ("0.32.0", "0.33.0"):
+        s = ".".join(version.split(".")[:2])
+        patches = series.read_series(version)
+        replaced = {pid for sp in patches for pid in sp.replaces}
+        carried = {g for sp in patches for g in sp.guarantees}
+        for patch in _records():
+            if s not in patch.versions or patch.name in replaced \
+                    or patch.guarantee in carried:
+                continue
+            for p in patch.pins:
+                if p.target in audited.BUILD_DIGESTS and s in p.digests:
+                    assert p.build_digests.get(s) == \
+                        audited.BUILD_DIGESTS[p.target][s], (patch.name, p.target)

@@ -31,6 +31,7 @@ PATCH_MODULES: dict[str, tuple[str, ...]] = {
     "vllm_patch.v1.metrics.loggers": ("package",),
     "vllm_patch.v1.structured_output.g2_accept_once": ("G2",),
     "vllm_patch.v1.structured_output.g3_rows": ("G3",),
+    "vllm_patch.v1.structured_output.parallel_rows": ("package",),
     "vllm_patch.v1.structured_output.grammar_drafts": ("package",),
     "vllm_patch.v1.spec_decode.llm_base_proposer": ("package",),
     "vllm_patch.v1.worker.gpu_model_runner.g3_drafts": ("G3",),

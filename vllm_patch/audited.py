@@ -98,12 +98,27 @@ DIGESTS: dict[str, dict[str, str]] = {
 }
 
 
+# target -> {series: digest of the function on the vLLM build made from this
+# package's patch series (`vllm-patch build-vllm`)}, for the pins of plugin
+# patches that still apply on such a build over a function the series
+# changes (`pin(..., on_build=True)`). A series patch that changes the
+# function again changes its digest: the plugin patch is then not applied
+# on the new build until it is checked against it and the digest updated
+# (the series tier checks it applies there).
+BUILD_DIGESTS: dict[str, dict[str, str]] = {
+    # 0005 (G3's bitmask rows): padded drafts end the walk like a rejected one.
+    _M + "grammar_bitmask": {"0.32": "811f6a07d47b1e55", "0.33": "3219a717d9c2d962"},
+}
+
+
 def pin(target: str, relies_on: str, *, fallback: bool = False,
-        series: tuple[str, ...] | None = None) -> Pin:
+        series: tuple[str, ...] | None = None, on_build: bool = False) -> Pin:
     """A Pin on `target` with its audited digests (only `series`, if given:
-    for a patch of one series, or a function that exists in one only)."""
+    for a patch of one series, or a function that exists in one only);
+    `on_build`: the patched build's digest (BUILD_DIGESTS) is accepted too."""
     digests = DIGESTS[target]
     if series is not None:
         digests = {s: d for s, d in digests.items() if s in series}
+    build = dict(BUILD_DIGESTS[target]) if on_build else {}
     return Pin(target=target, digests=dict(digests), relies_on=relies_on,
-               fallback=fallback)
+               fallback=fallback, build_digests=build)

@@ -169,6 +169,9 @@ class Pin:
     # What the patch relies on in that source.
     relies_on: str
     fallback: bool = False
+    # series -> the digest on the vLLM build made from this package's patch
+    # series, accepted too (a patch that still applies on that build).
+    build_digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -401,7 +404,7 @@ def check_pins(patch: Patch, series: str) -> tuple[list[str], list[str]]:
             found, why = None, str(exc)
         else:
             why = "no source" if found is None else f"source {found}, audited {want}"
-        if found != want:
+        if found != want and found != pin.build_digests.get(series):
             (tolerated if pin.fallback else blocking).append(
                 f"{pin.target} ({why}; relied on: {pin.relies_on})")
     return blocking, tolerated
@@ -768,6 +771,11 @@ def switched_off(gid: str, settings: envs.Settings) -> str:
     return ""
 
 
+# How a guarantee row's reason starts when the build carries some of its
+# patches and the plugin applies the others.
+PARTLY_NATIVE = "partly native"
+
+
 def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any]]:
     """One row per guarantee: native / patched / partial / not enforced."""
     settings = settings or envs.settings()
@@ -824,6 +832,14 @@ def guarantee_table(settings: envs.Settings | None = None) -> list[dict[str, Any
             if off:
                 partial.append(off)
             status = "partial" if partial else "patched"
+            carried = [o.patch.name for o in outcomes
+                       if o.state is State.NATIVE and not other_series(o)]
+            if carried:
+                # Part of it is the build's own code (a series patch that
+                # names these patches but not the whole guarantee).
+                partial.append(f"{PARTLY_NATIVE}: {', '.join(carried)} carried "
+                               f"by this vLLM build (patch series), the rest "
+                               f"applied by the plugin")
             reason = "; ".join(partial)
         rows.append({
             "guarantee": gid,
@@ -947,9 +963,11 @@ def runner_rows(row: dict[str, Any], native_checks: dict[str, str] | None = None
                        if p["name"] in REGISTRY.patches
                        and patch_runners(REGISTRY.patches[p["name"]]) == ("V1",)}
             rest = [part for part in detail.split("; ") if part
-                    and part.split(":", 1)[0] not in v1_only]
+                    and part.split(":", 1)[0] not in v1_only
+                    and not part.startswith(PARTLY_NATIVE)]
             status = "partial" if rest else "patched"
-            detail = "; ".join(rest)
+            detail = "; ".join(rest + [part for part in detail.split("; ")
+                                       if part.startswith(PARTLY_NATIVE)])
         whole = native_guarantees().get(gid)
         if status == "native (patched build)" and whole is not None and \
                 runner not in whole["runners"]:

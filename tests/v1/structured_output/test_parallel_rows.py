@@ -5,8 +5,15 @@ create its fill pool (`max_num_seqs` > 128) and for the walk to be threaded
 (MIN_ROWS rows): requests whose drafts end the grammar, hit an invalid
 token, or are all valid, sync and async (-1 padding). Patched: the step's
 bitmask is built on the pool's threads and equals, row for row, the serial
-walk of the same step. Stock (VLLM_PATCH_DISABLE=1): vLLM never uses the
-pool when there are drafts: every row is filled on the engine thread.
+walk of the same step, and G3's rows (stop tokens only after a terminal
+draft) are in it. Stock (VLLM_PATCH_DISABLE=1): vLLM never uses the pool
+when there are drafts: every row is filled on the engine thread.
+
+The threaded walk is its own patch (`parallel-verify-rows`), so it applies
+whether G3's rows come from the plugin (`g3-bitmask-rows`, on a released
+vLLM) or from a vLLM build that fills them itself (the patch series, which
+names `g3-bitmask-rows`): the series tier runs this file on that build
+with the plugin installed.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ def _batch(h, n):
 
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
 def test_threaded_rows_equal_serial_rows(patched, async_, monkeypatch):
-    from vllm_patch.testing.harness import Harness
+    from vllm_patch.testing.harness import EOS, Harness
     from vllm_patch.v1.structured_output import parallel_rows
 
     h = Harness("xgrammar", num_spec_tokens=3, async_scheduling=async_,
@@ -85,6 +92,33 @@ def test_threaded_rows_equal_serial_rows(patched, async_, monkeypatch):
     monkeypatch.delenv("VLLM_PATCH_PARALLEL_VERIFY")
     assert threaded.shape == serial.shape
     assert (threaded == serial).all()  # same rows, row for row
+    # G3's rows in the threaded walk: after a terminal draft (the shape
+    # [b, EOS, c], sync) only stop tokens, and after a request's first -1
+    # draft (async) the row at it; stock allows every token there.
+    k1 = h.num_spec_tokens + 1
+    packed = threaded.shape[0] != len(ids) * k1  # 0.32 (else 0.33: k + 1 each)
+    start, checked = 0, []
+    for i, rid in enumerate(ids):
+        toks = spec.get(rid, [])
+        first = start if packed else i * k1
+        rows = threaded[first:first + 1 + len(toks)]
+        start += 1 + len(toks)
+        if -1 in toks:
+            p = toks.index(-1)
+            checked += [(r, rows[p]) for r in rows[p + 1:]]
+        elif len(toks) >= 2 and toks[1] == EOS:
+            checked += [(r, None) for r in rows[2:]]
+    assert checked, spec
+    full = [len(h.allowed(r)) == len(h.tokenizer) for r, _ in checked]
+    if patched:
+        assert not any(full)
+        for r, at_padding in checked:
+            if at_padding is None:
+                assert h.allowed(r) == [EOS, 3]  # stop tokens (EOS, im_end)
+            else:
+                assert (r == at_padding).all()
+    else:
+        assert all(full)
     # Every grammar is back where it was: the same walk once more is equal.
     again = np.array(manager.grammar_bitmask(h.requests, ids, spec))
     assert (again == serial).all()
@@ -176,3 +210,52 @@ def test_an_error_in_a_chunk_is_raised_after_every_chunk_ended():
         pr.walk(m, walk_serial, {}, ids, spec, None)
     pool.shutdown(wait=True)
     assert not [r for r in ended if r == "r0"]
+
+
+@pytest.mark.patched_only
+def test_own_patch_applies_when_g3_rows_are_the_builds(monkeypatch):
+    """On a vLLM build whose patch series names `g3-bitmask-rows` (it fills
+    G3's rows itself) the plugin does not apply that patch, and the threaded
+    walk, a patch of its own on another attribute, still applies; G3 reads
+    patched, partly native."""
+    from vllm_patch import envs, patching
+    from vllm_patch.patching import REGISTRY, State
+
+    rows = REGISTRY.patches["g3-bitmask-rows"]
+    threaded = REGISTRY.patches["parallel-verify-rows"]
+    assert rows.target != threaded.target
+    assert threaded.guarantee == "package" and rows.guarantee == "G3"
+    monkeypatch.setattr(patching, "_NATIVE", [{"g3-bitmask-rows": "g3_rows"}])
+    monkeypatch.setattr(patching, "_NATIVE_GUARANTEES", [{}])
+    settings = envs.settings()
+    monkeypatch.delitem(REGISTRY.outcomes, rows.name, raising=False)
+    native = patching._check(rows, settings)
+    assert native.state is State.NATIVE and native.detail == "g3_rows"
+    monkeypatch.setitem(REGISTRY.outcomes, rows.name, native)
+    outcome = patching._check(threaded, settings)
+    if isinstance(outcome, patching._Verified):  # not applied yet: it would be
+        outcome = patching._install(threaded, outcome)
+        monkeypatch.setitem(REGISTRY.outcomes, threaded.name, outcome)
+    assert outcome.state is State.APPLIED
+    g3 = {r["guarantee"]: r for r in patching.guarantee_table(settings)}["G3"]
+    assert g3["status"] == "patched"
+    assert g3["reason"].startswith(patching.PARTLY_NATIVE + ": g3-bitmask-rows")
+    assert {r["status"] for r in g3["runners"].values()} == {"patched"}
+
+
+@pytest.mark.patched_only
+def test_build_digest_is_accepted_only_for_the_pinned_function():
+    """The threaded walk's pin accepts the release's grammar_bitmask and the
+    patched build's (BUILD_DIGESTS), nothing else."""
+    from vllm_patch import audited
+    from vllm_patch.patching import REGISTRY
+
+    (p,) = REGISTRY.patches["parallel-verify-rows"].pins
+    target = "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask"
+    assert p.target == target
+    assert p.digests == audited.DIGESTS[target]
+    assert p.build_digests == audited.BUILD_DIGESTS[target]
+    assert set(p.build_digests.values()).isdisjoint(p.digests.values())
+    # G3's row patch is not applied on such a build: it accepts no build digest.
+    assert all(not q.build_digests
+               for q in REGISTRY.patches["g3-bitmask-rows"].pins)

@@ -7,17 +7,27 @@ every row after a request's first -1 draft (async scheduling pads
 grammar-invalid and post-terminal drafts with -1). The V1 runner then
 verifies post-terminal drafts, and samples the bonus, against them.
 
-- `g3-terminal-row` (wraps `_fill_bitmasks`): the row of a grammar that
-  terminated during this walk allows only the grammar's stop tokens. A
-  grammar already terminated when the walk began keeps stock's row, so
-  `VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0` behaves as stock.
-- `g3-rows-after-padding-0.32` / `-0.33` (wraps `grammar_bitmask`): every
-  row after a request's first -1 draft, the bonus row included, repeats the
-  row at it (the valid-prefix row, or the stop-only row), as stock already
-  does after a failed accept; only the row layout differs by series. The
-  same wrapper walks a large xgrammar batch's requests in chunks on vLLM's
-  fill threads where that is faster (`parallel_rows`; stock's walk per
-  chunk, the same rows).
+`g3-bitmask-rows` (wraps `_fill_bitmasks`, which the speculative walk calls
+once per row, in row order, per request):
+- the row of a grammar that terminated during this walk allows only the
+  grammar's stop tokens. A grammar already terminated when its walk began
+  keeps stock's row, so `VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0` behaves
+  as stock;
+- a row the walk leaves unconstrained right after a constrained row of the
+  same request (stock does that only after the request's first -1 draft:
+  the reasoning part of a request comes before its constrained part, never
+  after) repeats the row before it, so every row after the first -1 draft,
+  the bonus row included, is the row at it (the valid-prefix row, or the
+  stop-only row), as stock already does after a failed accept.
+
+The walk's state per request (its grammar, the last row, whether it was
+constrained, whether the grammar had ended when the walk reached it) is
+kept per thread: the threaded walk (`parallel_rows`, its own patch on
+`grammar_bitmask`) runs requests side by side, each request on one thread.
+Working per row keeps this patch independent of the row layout (0.32 packs
+1 + len(drafts) rows per request, 0.33 gives k + 1) and of who walks the
+rows: on a vLLM build that fills these rows itself (the patch series) this
+patch is not applied and the threaded walk still is.
 
 Which drafts the worker may accept is enforced by
 `vllm_patch.v1.worker.gpu_model_runner.g3_drafts`. Requests without structured output
@@ -26,6 +36,7 @@ and steps without drafts take the stock path.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -33,14 +44,10 @@ from vllm.logger import init_logger
 
 from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
-from vllm_patch.v1.structured_output import parallel_rows
 
 logger = init_logger(__name__)
 
 _TARGET_MODULE = "vllm.v1.structured_output"
-# Set on the manager for the duration of one patched grammar_bitmask walk:
-# ids of the grammars that were already terminated when the walk began.
-_AT_START_ATTR = "_vllm_patch_g3_terminated_at_start"
 
 UPSTREAM = ("SGLang PR #24082 / #28682 (worker side); vLLM Model Runner V2 "
             "`grammar_invalid_drafts` (v1/worker/gpu/structured_outputs.py)")
@@ -82,138 +89,105 @@ def fill_stop_row(bitmask: Any, index: int, grammar: Any) -> None:
         bitmask[index].fill_(-1)
 
 
+class _Walk(threading.local):
+    """The row walk this thread is in: the request's grammar, its last row
+    (bitmask tensor and index), whether that row was constrained, and
+    whether the grammar had already ended when the walk reached it."""
+
+    grammar_id: int | None = None
+    bitmask_ptr: int = 0
+    index: int = -1
+    constrained: bool = False
+    ended_at_start: bool = False
+
+
+_WALK = _Walk()
+
+
 def _make_fill_bitmasks(original: Any) -> Any:
     def _fill_bitmasks(self: Any, batch: Any) -> None:
+        vc = self.vllm_config
+        if not vc.num_speculative_tokens or vc.model_config.is_diffusion:
+            return original(self, batch)
         batch = list(batch)
-        original(self, batch)
-        at_start = getattr(self, _AT_START_ATTR, None)
-        if at_start is None:
-            return  # not inside a patched speculative walk
-        for entry in batch:
-            grammar, index, apply_bitmask = entry[0], entry[1], entry[2]
-            if (apply_bitmask and id(grammar) not in at_start
-                    and grammar.is_terminated()):
-                fill_stop_row(self._grammar_bitmask, index, grammar)
+        if len(batch) != 1:
+            # Not the speculative walk (it fills one row per call).
+            _WALK.grammar_id = None
+            return original(self, batch)
+        entry = batch[0]
+        grammar, index, apply_bitmask = entry[0], entry[1], entry[2]
+        bitmask = self._grammar_bitmask
+        ptr = bitmask.data_ptr()
+        w = _WALK
+        same_walk = (w.grammar_id == id(grammar) and w.bitmask_ptr == ptr
+                     and index == w.index + 1)
+        if not same_walk:
+            # The request's first row: nothing of this step accepted yet.
+            w.ended_at_start = grammar.is_terminated()
+        if apply_bitmask:
+            ended = grammar.is_terminated()
+            original(self, batch)
+            if ended and not w.ended_at_start:
+                fill_stop_row(bitmask, index, grammar)
+        elif same_walk and w.constrained:
+            # Unconstrained after a constrained row of the same request:
+            # after its first -1 draft. Repeat the row before.
+            bitmask[index].copy_(bitmask[index - 1])
+            apply_bitmask = True  # what the next row repeats is constrained
+        else:
+            original(self, batch)
+        w.grammar_id, w.bitmask_ptr, w.index = id(grammar), ptr, index
+        w.constrained = bool(apply_bitmask)
 
     return _fill_bitmasks
 
 
-def first_padding(tokens: Any) -> int | None:
-    for i, t in enumerate(tokens):
-        if t < 0:
-            return i
-    return None
-
-
-def copy_rows_after_padding(
-    bitmask: np.ndarray,
-    structured_output_request_ids: list[str],
-    scheduled_spec_decode_tokens: dict[str, list[int]],
-    mask_stride: int | None,
-) -> None:
-    """Rows after a request's first -1 draft := the row at that draft.
-    `mask_stride` None: 0.32 cumulative layout; else 0.33 fixed stride."""
-    offset = 0
-    for i, req_id in enumerate(structured_output_request_ids):
-        tokens = scheduled_spec_decode_tokens.get(req_id, ())
-        start = offset if mask_stride is None else i * mask_stride
-        offset += 1 + len(tokens)
-        p = first_padding(tokens)
-        if p is None:
-            continue
-        end = start + len(tokens) + 1  # bonus row included
-        if end > start + p + 1 and end <= bitmask.shape[0]:
-            bitmask[start + p + 1:end] = bitmask[start + p]
-
-
-def _make_grammar_bitmask(series: str) -> Any:
-    def make(original: Any) -> Any:
-        def grammar_bitmask(self: Any, requests: Any,
-                            structured_output_request_ids: list[str],
-                            scheduled_spec_decode_tokens: dict[str, list[int]]):
-            k = self.vllm_config.num_speculative_tokens
-            if (not structured_output_request_ids or not k
-                    or self.vllm_config.model_config.is_diffusion):
-                return original(self, requests, structured_output_request_ids,
-                                scheduled_spec_decode_tokens)
-            at_start = set()
-            for req_id in structured_output_request_ids:
-                so_req = requests[req_id].structured_output_request
-                grammar = so_req.grammar if so_req is not None else None
-                if grammar is not None and grammar.is_terminated():
-                    at_start.add(id(grammar))
-            setattr(self, _AT_START_ATTR, at_start)
-            try:
-                # Requests' walks side by side where that pays (stock's
-                # walk per chunk; the same rows as one serial walk).
-                bitmask = parallel_rows.walk(
-                    self, original, requests, structured_output_request_ids,
-                    scheduled_spec_decode_tokens,
-                    None if series == "0.32" else k + 1)
-            finally:
-                setattr(self, _AT_START_ATTR, None)
-            if bitmask is not None:
-                copy_rows_after_padding(
-                    bitmask, structured_output_request_ids,
-                    scheduled_spec_decode_tokens,
-                    None if series == "0.32" else k + 1,
-                )
-            return bitmask
-
-        return grammar_bitmask
-
-    return make
-
-
-_PIN_BITMASK = pin(
+_PIN_WALK = pin(
     f"{_TARGET_MODULE}:StructuredOutputManager.grammar_bitmask",
-    "row layout (0.32: 1 + len(drafts) rows per request, packed; 0.33: "
-    "k + 1 rows per request); the speculative walk advances the grammar "
-    "draft by draft, hands (grammar, index, apply_bitmask, ...) entries to "
-    "_fill_bitmasks, leaves every row after the first -1 draft all-ones "
-    "(seen_padding), copies the row of a failed accept to the rows after it "
-    "(failed_index), and rolls the grammar back afterwards")
-
-_WHY_ROWS = (
-    "stock writes all-ones rows after a terminal draft and after the first -1 "
-    "(grammar-invalid / post-terminal) draft, so the V1 runner verifies "
-    "post-terminal drafts and samples the bonus unconstrained (audit P3)"
-)
-_HOW_ROWS = (
-    "after the stock walk, rows after a request's first -1 draft copy the row "
-    "at it (valid-prefix row or stop-only row), as stock already does after a "
-    "failed accept; layout per series; a large xgrammar batch is walked in "
-    "request chunks on vLLM's fill threads where measured faster (same rows)"
-)
-_DESIGN = (
-    " Design: rows are fixed on the scheduler side because only the scheduler "
-    "holds the grammar (the worker cannot build a stop-only row); acceptance "
-    "is enforced on the worker (g3-v1-runner-acceptable-drafts) because a "
-    "stop token drafted after the terminal would still pass a stop-only row."
-)
+    "with drafts, the walk calls _fill_bitmasks once per row with one "
+    "(grammar, index, apply_bitmask) entry, a request's rows in order "
+    "(draft rows, then the bonus row); apply_bitmask is False before "
+    "constraint_start (reasoning) and for every row after the first -1 "
+    "draft (seen_padding), which stock leaves all-ones; a failed accept's "
+    "later rows are copied without a fill call; the grammar is rolled back "
+    "after the request's rows")
 
 PATCHES: list[Patch] = [
     Patch(
-        name="g3-terminal-row",
+        name="g3-bitmask-rows",
         guarantee="G3",
         target=f"{_TARGET_MODULE}:StructuredOutputManager._fill_bitmasks",
         versions=("0.32", "0.33"),
         signature=("self", "batch"),
         make=_make_fill_bitmasks,
-        why=("a grammar terminated by one of this step's drafts gets an "
-             "all-ones row (_full_mask) for the next position and the bonus"),
-        how=("after the stock fill, a constrained row of a grammar that "
-             "terminated during this walk gets only the grammar's stop tokens "
-             "(xgrammar matcher.stop_token_ids; guidance/outlines fill it "
-             "themselves)" + _DESIGN),
+        why=("stock writes all-ones rows after a terminal draft (_full_mask "
+             "for a terminated grammar) and after a request's first -1 "
+             "(grammar-invalid / post-terminal) draft, so the V1 runner "
+             "verifies post-terminal drafts and samples the bonus "
+             "unconstrained (audit P3)"),
+        how=("per row of the speculative walk: a constrained row of a grammar "
+             "that terminated during this walk gets only the grammar's stop "
+             "tokens (xgrammar matcher.stop_token_ids; guidance/outlines fill "
+             "it themselves); a row left unconstrained after a constrained "
+             "row of the same request (after its first -1 draft) repeats the "
+             "row before it, as stock does after a failed accept. Per row, "
+             "so independent of the row layout (0.32 packed, 0.33 k+1 per "
+             "request) and of the threaded walk (parallel-verify-rows)."
+             " Design: rows are fixed on the scheduler side because only the "
+             "scheduler holds the grammar (the worker cannot build a "
+             "stop-only row); acceptance is enforced on the worker "
+             "(g3-v1-runner-acceptable-drafts) because a stop token drafted "
+             "after the terminal would still pass a stop-only row."),
         upstream=UPSTREAM,
-        remove_when="vLLM fills stop-only rows after a terminal draft",
+        remove_when=("vLLM fills stop-only rows after a terminal draft and "
+                     "stops writing all-ones rows after -1 drafts"),
         pins=(
-            _PIN_BITMASK,
+            _PIN_WALK,
             pin(f"{_TARGET_MODULE}:StructuredOutputManager._fill_bitmasks",
-                "entries are (grammar, index, apply_bitmask, ...) rows of "
-                "self._grammar_bitmask; a terminated grammar's row is "
-                "_full_mask (all tokens), the row the patch replaces"),
+                "entries are (grammar, index, apply_bitmask) rows of "
+                "self._grammar_bitmask; a terminated grammar's row and a row "
+                "with apply_bitmask False are _full_mask (all tokens), the "
+                "rows the patch replaces"),
             pin("vllm.v1.structured_output.backend_guidance:GuidanceGrammar"
                 ".fill_bitmask",
                 "a stopped llguidance matcher fills an EOS-only row "
@@ -223,34 +197,5 @@ PATCHES: list[Patch] = [
                 "writes the outlines guide's mask, EOS-only in a final state "
                 "(fill_stop_row keeps it)"),
         ),
-    ),
-    Patch(
-        name="g3-rows-after-padding-0.33",
-        guarantee="G3",
-        target=f"{_TARGET_MODULE}:StructuredOutputManager.grammar_bitmask",
-        versions=("0.33",),
-        signature=("self", "requests", "structured_output_request_ids",
-                   "scheduled_spec_decode_tokens"),
-        make=_make_grammar_bitmask("0.33"),
-        why=_WHY_ROWS,
-        how=_HOW_ROWS + " (0.33: mask_stride = k+1 rows per request)" + _DESIGN,
-        upstream=UPSTREAM,
-        remove_when="vLLM stops writing all-ones rows after -1 drafts",
-        pins=(_PIN_BITMASK,),
-    ),
-    Patch(
-        name="g3-rows-after-padding-0.32",
-        guarantee="G3",
-        target=f"{_TARGET_MODULE}:StructuredOutputManager.grammar_bitmask",
-        versions=("0.32",),
-        signature=("self", "requests", "structured_output_request_ids",
-                   "scheduled_spec_decode_tokens"),
-        make=_make_grammar_bitmask("0.32"),
-        why=_WHY_ROWS,
-        how=_HOW_ROWS + " (0.32: rows packed cumulatively, 1+len(drafts) each)"
-            + _DESIGN,
-        upstream=UPSTREAM,
-        remove_when="0.32 support is dropped",
-        pins=(_PIN_BITMASK,),
     ),
 ]

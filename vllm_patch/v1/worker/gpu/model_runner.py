@@ -279,7 +279,8 @@ PATCHES: list[Patch] = [
                   "sampler_output.sampled_token_ids is [num_reqs, k + 1]"),
               pin("vllm.v1.structured_output:StructuredOutputManager"
                   ".grammar_bitmask",
-                  "bitmask row layout read by grammar_end.request_rows")),
+                  "bitmask row layout read by grammar_end.request_rows "
+                  "(the patch series' build keeps it)", on_build=True)),
     ),
     Patch(
         name="g3-v2-no-drafts-handed-over-after-grammar-end",

@@ -321,8 +321,8 @@ PATCHES: list[Patch] = [
              "the rejection sampler always rejects (as Model Runner V2's "
              "grammar_invalid_drafts). Runner-side because rows alone cannot "
              "do it: a stop token drafted after the terminal passes a "
-             "stop-only row; the rows (g3-terminal-row, "
-             "g3-rows-after-padding-*) make the token sampled at the first "
+             "stop-only row; the rows (g3-bitmask-rows) make the token "
+             "sampled at the first "
              "unacceptable position grammar-valid"),
         upstream=("vLLM Model Runner V2 grammar_invalid_drafts "
                   "(v1/worker/gpu/structured_outputs.py); SGLang PR #24082"),
@@ -387,7 +387,8 @@ PATCHES: list[Patch] = [
                 ".grammar_bitmask",
                 "bitmask row layout read by grammar_end.request_rows (0.32: "
                 "1 + len(drafts) rows packed; 0.33: k + 1 per request) and "
-                "reasoning rows (all-ones, minus masked reasoning ends)"),
+                "reasoning rows (all-ones, minus masked reasoning ends)",
+                on_build=True),
             pin("vllm.v1.structured_output:StructuredOutputManager"
                 "._create_grammar",
                 "grammars are compiled with the request's all_stop_token_ids "
