@@ -55,7 +55,11 @@ def _watcher(pid: int):
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):  # no pidfd: compare its start time
         born = _start_time(pid)
-        return lambda: (time.sleep(POLL_S), _start_time(pid) != born)[1]
+
+        def ended() -> bool:
+            time.sleep(POLL_S)
+            return _start_time(pid) != born
+        return ended
     poll = select.poll()
     poll.register(fd, select.POLLIN)
     return lambda: bool(poll.poll(POLL_S * 1000))
