@@ -34,13 +34,16 @@ not restarted again: the command stops everything and prints the error and
 the server's last log lines.
 
 A node that stops answering (a network partition, a frozen host) is logged
-as unreachable and polled again; only a supervisor that is gone, or one
-unreachable for longer than --unreachable-grace seconds, stops the
-deployment.
+as unreachable and polled again. An instance whose supervisor is gone (its
+node lost), or unreachable for longer than --unreachable-grace seconds, is
+lost: the others of its role serve meanwhile, and it is started again on a
+node of its role once one is in the cluster. A role left with no instance
+gets 503s until one is back, and stops the deployment after
+--recovery-timeout seconds.
 
-Exit codes: 0 after a requested stop, 1 when the deployment cannot start or
-an instance keeps dying (more than --max-restarts restarts) or its node stays
-unreachable, 2 bad usage.
+Exit codes: 0 after a requested stop, 1 when the deployment cannot start,
+an instance keeps dying (more than --max-restarts restarts) or a role has
+no instance for longer than --recovery-timeout, 2 bad usage.
 """
 
 from __future__ import annotations
