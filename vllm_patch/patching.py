@@ -962,12 +962,12 @@ def runner_rows(row: dict[str, Any], native_checks: dict[str, str] | None = None
             v1_only = {p["name"] for p in row["patches"]
                        if p["name"] in REGISTRY.patches
                        and patch_runners(REGISTRY.patches[p["name"]]) == ("V1",)}
-            rest = [part for part in detail.split("; ") if part
-                    and part.split(":", 1)[0] not in v1_only
-                    and not part.startswith(PARTLY_NATIVE)]
+            parts = [part for part in detail.split("; ") if part]
+            carried = [part for part in parts if part.startswith(PARTLY_NATIVE)]
+            rest = [part for part in parts if part not in carried
+                    and part.split(":", 1)[0] not in v1_only]
             status = "partial" if rest else "patched"
-            detail = "; ".join(rest + [part for part in detail.split("; ")
-                                       if part.startswith(PARTLY_NATIVE)])
+            detail = "; ".join(rest + carried)
         whole = native_guarantees().get(gid)
         if status == "native (patched build)" and whole is not None and \
                 runner not in whole["runners"]:

@@ -126,6 +126,15 @@ class Instance:
         return self.status["url"]
 
 
+@dataclasses.dataclass
+class _RoleDown:
+    """A role whose last instance was lost: since when, the error to raise
+    after LaunchConfig.recovery_timeout_s, and the last progress note."""
+    since: float
+    fatal: LaunchError
+    noted: float
+
+
 def cpu_bind_ranges(cpus: list[int], n: int) -> list[str] | None:
     """Disjoint contiguous core ranges for n instances on one host, or None
     when that is impossible (fewer cores than instances, holes)."""
@@ -192,9 +201,8 @@ class Deployment:
         self._created_token = False
         # instance name -> when its supervisor stopped answering
         self._unreachable_since: dict[str, float] = {}
-        # role -> (since when none of its instances serves, the fatal error
-        # to raise after LaunchConfig.recovery_timeout_s, last progress note)
-        self._role_down: dict[str, list] = {}
+        # role -> since when none of its instances serves
+        self._role_down: dict[str, _RoleDown] = {}
         # how long one poll waits for the supervisors' answers
         self.status_timeout_s = STATUS_TIMEOUT_S
 
@@ -638,7 +646,7 @@ class Deployment:
                     down = self._role_down.pop(inst.role, None)
                     if down is not None:
                         self._say(f"{inst.role} serves again after "
-                                  f"{time.monotonic() - down[0]:.0f} s without an instance")
+                                  f"{time.monotonic() - down.since:.0f} s without an instance")
                     self._say(f"{inst.name} rejoined: the router sends {inst.role} "
                               f"requests to {', '.join(i.name for i in self.role_instances(inst.role))}")
         return sts + [self._lost_status(i) for i in self.instances
@@ -678,7 +686,7 @@ class Deployment:
                       "cluster (its node back, or another)", logging.WARNING)
             return
         if inst.role not in self._role_down:
-            self._role_down[inst.role] = [inst.lost_since, fatal, inst.lost_since]
+            self._role_down[inst.role] = _RoleDown(inst.lost_since, fatal, inst.lost_since)
         self._say(f"{where} lost: {why}. No {inst.role} instance serves now: requests get "
                   f"a 503 until {inst.name} is started again on a node for {inst.role} "
                   f"(its node back in the Ray cluster, or another); the deployment stops "
@@ -689,14 +697,14 @@ class Deployment:
         """A role without a serving instance: a note every 30 s, and
         LaunchError once LaunchConfig.recovery_timeout_s has passed."""
         now = time.monotonic()
+        timeout = self.cfg.recovery_timeout_s
         for role, down in self._role_down.items():
-            since, fatal, noted = down
-            timeout = self.cfg.recovery_timeout_s
+            since = down.since
             if now - since > timeout:
                 raise LaunchError(f"no {role} instance has served for {timeout:g} s "
-                                  f"(--recovery-timeout): {fatal}")
-            if now - noted >= 30:
-                down[2] = now
+                                  f"(--recovery-timeout): {down.fatal}")
+            if now - down.noted >= 30:
+                down.noted = now
                 waiting = [i for i in self.instances if i.role == role]
                 what = ("starting" if any(i.pending or i.rejoining for i in waiting)
                         else f"waiting for a node for {role} in the Ray cluster")
