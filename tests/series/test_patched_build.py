@@ -81,6 +81,9 @@ STOCK_FAILS = {
     "tests/v1/core/test_scheduler_grammar_termination.py::test_generation_config_eos_ends_grammar",
     "tests/v1/core/test_scheduler_grammar_termination.py::test_rejected_token_is_not_emitted",
     "tests/v1/core/test_scheduler.py::test_abort_request_when_structured_output_fsm_cannot_advance",
+    # A complete guidance grammar accepted any token (G2 commits what the
+    # grammar accepts).
+    "tests/v1/structured_output/test_backend_guidance.py::test_backend_guidance_complete_grammar_accepts_only_eos",
     # G3's rows: after a terminal draft, after a padded draft (valid drafts
     # are the control), and vLLM's own row-pattern cases that expected
     # every token allowed after a rejected, padded or terminal draft.
@@ -89,12 +92,14 @@ STOCK_FAILS = {
     *(f"tests/v1/structured_output/test_structured_output_manager.py::{case}"
       for case in G3_MANAGER_CASES),
 }
-# Cases in all: 8 for the three fixes, 9 for G2 (vLLM's async twin of
-# the changed test mocks the grammar too and passes on both), 3 for G3's
+# Cases in all: 8 for the three fixes, 11 for G2 (vLLM's async twin of
+# the changed test mocks the grammar too and passes on both, and vLLM's
+# guidance test next to the new one, tokens after the terminal EOS still
+# accepted, runs as a control), 3 for G3's
 # rows and vLLM's test_structured_output_manager.py whole (0005 changes its
 # case table): 55 cases, one of them skipped on both (vLLM marks it xfail
 # for guidance).
-NUM_SERIES_TESTS = 17 + 3 + 55
+NUM_SERIES_TESTS = 19 + 3 + 55
 SKIPPED_ON_BOTH = {
     "tests/v1/structured_output/test_structured_output_manager.py::"
     "test_real_flow[active_first_token_terminates-guidance]",
@@ -205,7 +210,7 @@ def test_environment_has_the_build_and_no_plugin(env):
 def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
     files = series_env.series_tests(VERSION)
     # The new test files whole, the changed ones for their changed test only.
-    assert len(files) == 8
+    assert len(files) == 10
     assert "tests/v1/core/test_scheduler.py::test_abort_request_when_" \
         "structured_output_fsm_cannot_advance" in files
     (tmp_path / "build").mkdir()

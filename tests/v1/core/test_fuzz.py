@@ -104,7 +104,7 @@ def test_fuzz_patched_no_violation(patched):
         assert not missing, (missing, dict(seen))
 
 
-def test_fuzz_stock_breaks(patched):
+def test_fuzz_stock_breaks(patched, native):
     if patched:
         pytest.skip("stock run only (VLLM_PATCH_DISABLE=1)")
     counts: collections.Counter[str] = collections.Counter()
@@ -116,6 +116,11 @@ def test_fuzz_stock_breaks(patched):
 
     _run(record, shrink=False)
     print(f"stock: {episodes[0]} episodes; episodes violating: {dict(counts)}")
+    if "G2" in native:
+        # A patched build carrying G2: its own code holds every property
+        # stock breaks here (all G2's).
+        assert not counts, dict(counts)
+        return
     # G2 on stock: tokens after the grammar's end and grammar-invalid tokens
     # are committed (and the grammar is left out of step with them).
     assert {"post_terminal", "grammar_prefix"} <= counts.keys(), dict(counts)
@@ -172,7 +177,7 @@ def test_fuzz_grammar_drafts_patched_no_violation(patched):
         assert drafted["xgr_flags_slow"] == 0, dict(drafted)
 
 
-def test_fuzz_grammar_drafts_stock_breaks(patched):
+def test_fuzz_grammar_drafts_stock_breaks(patched, native):
     if patched:
         pytest.skip("stock run only (VLLM_PATCH_DISABLE=1)")
     _grammar_source()
@@ -186,6 +191,9 @@ def test_fuzz_grammar_drafts_stock_breaks(patched):
     _run(record, shrink=False, drafts="grammar", examples=GRAMMAR_EXAMPLES)
     print(f"stock, grammar-aware drafts: {episodes[0]} episodes; episodes "
           f"violating: {dict(counts)}")
+    if "G2" in native:
+        assert not counts, dict(counts)
+        return
     # Under these drafts too, stock commits tokens after the grammar's end
     # and grammar-invalid tokens (G2), and nothing the patches do not remove.
     assert {"post_terminal", "grammar_prefix"} <= counts.keys(), dict(counts)

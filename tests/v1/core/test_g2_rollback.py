@@ -75,10 +75,13 @@ def test_unstructured_identical_to_stock(patched):
     assert with_patches == stock
 
 
-def test_stop_on_grammar_termination_off(patched, monkeypatch):
+def test_stop_on_grammar_termination_off(patched, native, monkeypatch):
     """VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 restores stock termination
     (post-terminal tokens emitted, request keeps running) and keeps the
     rejection trim."""
+    if "G2" in native:
+        pytest.skip("a vLLM build carrying G2 always stops at the grammar's "
+                    "end: the switch has no effect there (series tier)")
     monkeypatch.setenv("VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION", "0")
     by_name = {s.name: s for s in g2.SCENARIOS}
     p1 = by_name["g2-xgrammar-eos-mid-step"]
