@@ -130,14 +130,14 @@ def _make_fill_bitmasks(original: Any) -> Any:
             # The request's first row: nothing of this step accepted yet.
             ended_at_start = grammar.is_terminated()
         if apply_bitmask:
-            # Stock's row (its body, inline: one call less per row), but a
-            # grammar that ended during this walk gets its stop-token row.
+            # Stock's constrained row (inline: one call less per row), but
+            # a grammar that ended during this walk gets its stop-token row.
             if not grammar.is_terminated():
                 grammar.fill_bitmask(bitmask, index)
             elif same_walk and not ended_at_start:
                 fill_stop_row(bitmask, index, grammar)
             else:  # ended before the walk: stock's row
-                bitmask[index].fill_(self._full_mask)
+                original(self, batch)
         elif same_walk and constrained:
             # Unconstrained after a constrained row of the same request:
             # after its first -1 draft. Repeat the row before.
@@ -194,11 +194,13 @@ PATCHES: list[Patch] = [
             _PIN_WALK,
             pin(f"{_TARGET_MODULE}:StructuredOutputManager._fill_bitmasks",
                 "entries are (grammar, index, apply_bitmask) rows of "
-                "self._grammar_bitmask; a constrained row of a grammar not "
-                "terminated is grammar.fill_bitmask(bitmask, index) (the "
-                "patch does that itself for a one-row call); a terminated "
-                "grammar's row and a row with apply_bitmask False are "
-                "_full_mask (all tokens), the rows the patch replaces"),
+                "self._grammar_bitmask (0.33: and the masked reasoning "
+                "ends); a constrained row of a grammar not terminated is "
+                "grammar.fill_bitmask(bitmask, index) alone (the patch does "
+                "that itself for a one-row call); a terminated grammar's row "
+                "and a row with apply_bitmask False are _full_mask (all "
+                "tokens; 0.33: minus the masked ids), the rows the patch "
+                "replaces"),
             pin("vllm.v1.structured_output.backend_guidance:GuidanceGrammar"
                 ".fill_bitmask",
                 "a stopped llguidance matcher fills an EOS-only row "
