@@ -108,6 +108,12 @@ DIGESTS: dict[str, dict[str, str]] = {
 BUILD_DIGESTS: dict[str, dict[str, str]] = {
     # 0005 (G3's bitmask rows): padded drafts end the walk like a rejected one.
     _M + "grammar_bitmask": {"0.32": "811f6a07d47b1e55", "0.33": "3219a717d9c2d962"},
+    # 0006 (G3's V1 runner side): sample_tokens rejects drafts past
+    # num_acceptable_drafts and records the step's grammar output;
+    # propose_draft_token_ids skips the drafter when every grammar ended.
+    _R + "sample_tokens": _both("0d4aa428c471a1fd"),
+    _R + "propose_draft_token_ids": {"0.32": "996c4bc0b4bad938",
+                                     "0.33": "29f8b5423348c5a3"},
 }
 
 

@@ -134,33 +134,44 @@ def plugin_fingerprint(patch_id: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:16]
 
 
-def guarantee_patch_ids(gid: str, version: str) -> list[str]:
+def guarantee_patch_ids(gid: str, version: str,
+                        runners: tuple[str, ...] | None = None) -> list[str]:
     """The plugin's patches of guarantee `gid` that apply to vLLM
-    `version`'s series."""
+    `version`'s series (only those that hold for one of `runners`, if
+    given: a patch in one model runner's files holds for that runner)."""
     import vllm_patch
     from vllm_patch import patching
 
     vllm_patch.register()
     series = ".".join(version.split(".")[:2])
     return sorted(p.name for p in patching.REGISTRY.patches.values()
-                  if p.guarantee == gid and series in p.versions)
+                  if p.guarantee == gid and series in p.versions
+                  and (runners is None
+                       or set(patching.patch_runners(p)) & set(runners)))
 
 
 def drift(version: str) -> list[str]:
     """Series patches whose recorded plugin fingerprints differ from the
-    plugin's source today, or that carry a guarantee whole but do not name
-    all of its plugin patches (empty: in step)."""
+    plugin's source today, or that carry a guarantee whole while the series
+    does not name all of its plugin patches for the model runners the
+    record says it holds for (RUNNERS; a guarantee may be carried by
+    several patches together, e.g. G3's rows and its runner side: the
+    series' patches up to and including the one that names it count)
+    (empty: in step)."""
     problems = []
+    named: set[str] = set()
     for sp in read_series(version):
+        named |= set(sp.replaces)
+        runners = tuple(sp.marker.get("RUNNERS", ())) or None  # type: ignore[arg-type]
         for gid in sp.guarantees:
-            missing = sorted(set(guarantee_patch_ids(gid, version))
-                             - set(sp.replaces))
+            missing = sorted(set(guarantee_patch_ids(gid, version, runners))
+                             - named)
             if missing:
                 problems.append(
                     f"{sp.path.name}: carries {gid}, but the plugin's {gid} "
-                    f"patches {', '.join(missing)} are not in it: bring them "
-                    f"into the series patch (Replaces-vllm-patch), then "
-                    f"re-stamp")
+                    f"patches {', '.join(missing)} are not in the series: "
+                    f"bring them into the series patch "
+                    f"(Replaces-vllm-patch), then re-stamp")
         for pid in sp.replaces:
             want = sp.fingerprints.get(pid)
             have = plugin_fingerprint(pid)

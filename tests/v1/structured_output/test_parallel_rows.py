@@ -221,6 +221,11 @@ def test_own_patch_applies_when_g3_rows_are_the_builds(monkeypatch):
     from vllm_patch import envs, patching
     from vllm_patch.patching import REGISTRY, State
 
+    # A build from this repository's series carries G3 whole (0005's rows
+    # and 0006's V1 runner side): the plugin's other G3 patches are native
+    # there too, so G3 cannot read partly native (the series tier runs
+    # this test on such a build).
+    carries_g3 = patching.guarantee_native("G3")
     rows = REGISTRY.patches["g3-bitmask-rows"]
     threaded = REGISTRY.patches["parallel-verify-rows"]
     assert rows.target != threaded.target
@@ -238,6 +243,9 @@ def test_own_patch_applies_when_g3_rows_are_the_builds(monkeypatch):
         monkeypatch.setitem(REGISTRY.outcomes, threaded.name, outcome)
     assert outcome.state is State.APPLIED
     g3 = {r["guarantee"]: r for r in patching.guarantee_table(settings)}["G3"]
+    if carries_g3:
+        assert g3["status"] == State.NATIVE.value
+        return
     assert g3["status"] == "patched"
     assert g3["reason"].startswith(patching.PARTLY_NATIVE + ": g3-bitmask-rows")
     assert {r["status"] for r in g3["runners"].values()} == {"patched"}

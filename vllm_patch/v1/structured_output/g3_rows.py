@@ -90,54 +90,63 @@ def fill_stop_row(bitmask: Any, index: int, grammar: Any) -> None:
 
 
 class _Walk(threading.local):
-    """The row walk this thread is in: the request's grammar, its last row
-    (bitmask tensor and index), whether that row was constrained, and
-    whether the grammar had already ended when the walk reached it."""
+    """The row walk this thread is in, one tuple (read and written once per
+    row: a thread-local attribute access is not free): the request's
+    grammar, its last row (bitmask tensor and index), whether that row was
+    constrained, and whether the grammar had already ended when the walk
+    reached it."""
 
-    grammar_id: int | None = None
-    bitmask_ptr: int = 0
-    index: int = -1
-    constrained: bool = False
-    ended_at_start: bool = False
+    state: tuple[Any, Any, int, bool, bool] = (None, None, -1, False, False)
 
 
 _WALK = _Walk()
+# Whether a manager's steps have drafts (its configuration's speculative
+# tokens, not a diffusion model): read once per manager, not per row.
+_SPEC_ATTR = "_vllm_patch_g3_rows_spec"
 
 
 def _make_fill_bitmasks(original: Any) -> Any:
     def _fill_bitmasks(self: Any, batch: Any) -> None:
-        vc = self.vllm_config
-        if not vc.num_speculative_tokens or vc.model_config.is_diffusion:
+        spec = self.__dict__.get(_SPEC_ATTR)
+        if spec is None:
+            vc = self.vllm_config
+            spec = self.__dict__[_SPEC_ATTR] = bool(
+                vc.num_speculative_tokens and not vc.model_config.is_diffusion)
+        if not spec:
             return original(self, batch)
-        batch = list(batch)
+        if not isinstance(batch, list):
+            batch = list(batch)
         if len(batch) != 1:
             # Not the speculative walk (it fills one row per call).
-            _WALK.grammar_id = None
+            _WALK.state = _Walk.state
             return original(self, batch)
-        entry = batch[0]
-        grammar, index, apply_bitmask = entry[0], entry[1], entry[2]
+        grammar, index, apply_bitmask = batch[0][:3]
         bitmask = self._grammar_bitmask
-        ptr = bitmask.data_ptr()
-        w = _WALK
-        same_walk = (w.grammar_id == id(grammar) and w.bitmask_ptr == ptr
-                     and index == w.index + 1)
+        last_grammar, last_bitmask, last_index, constrained, ended_at_start = \
+            _WALK.state
+        same_walk = (last_grammar is grammar and last_bitmask is bitmask
+                     and index == last_index + 1)
         if not same_walk:
             # The request's first row: nothing of this step accepted yet.
-            w.ended_at_start = grammar.is_terminated()
+            ended_at_start = grammar.is_terminated()
         if apply_bitmask:
-            ended = grammar.is_terminated()
-            original(self, batch)
-            if ended and not w.ended_at_start:
+            # Stock's constrained row (inline: one call less per row), but
+            # a grammar that ended during this walk gets its stop-token row.
+            if not grammar.is_terminated():
+                grammar.fill_bitmask(bitmask, index)
+            elif same_walk and not ended_at_start:
                 fill_stop_row(bitmask, index, grammar)
-        elif same_walk and w.constrained:
+            else:  # ended before the walk: stock's row
+                original(self, batch)
+        elif same_walk and constrained:
             # Unconstrained after a constrained row of the same request:
             # after its first -1 draft. Repeat the row before.
             bitmask[index].copy_(bitmask[index - 1])
             apply_bitmask = True  # what the next row repeats is constrained
         else:
             original(self, batch)
-        w.grammar_id, w.bitmask_ptr, w.index = id(grammar), ptr, index
-        w.constrained = bool(apply_bitmask)
+        _WALK.state = (grammar, bitmask, index, bool(apply_bitmask),
+                       ended_at_start)
 
     return _fill_bitmasks
 
@@ -185,9 +194,13 @@ PATCHES: list[Patch] = [
             _PIN_WALK,
             pin(f"{_TARGET_MODULE}:StructuredOutputManager._fill_bitmasks",
                 "entries are (grammar, index, apply_bitmask) rows of "
-                "self._grammar_bitmask; a terminated grammar's row and a row "
-                "with apply_bitmask False are _full_mask (all tokens), the "
-                "rows the patch replaces"),
+                "self._grammar_bitmask (0.33: and the masked reasoning "
+                "ends); a constrained row of a grammar not terminated is "
+                "grammar.fill_bitmask(bitmask, index) alone (the patch does "
+                "that itself for a one-row call); a terminated grammar's row "
+                "and a row with apply_bitmask False are _full_mask (all "
+                "tokens; 0.33: minus the masked ids), the rows the patch "
+                "replaces"),
             pin("vllm.v1.structured_output.backend_guidance:GuidanceGrammar"
                 ".fill_bitmask",
                 "a stopped llguidance matcher fills an EOS-only row "

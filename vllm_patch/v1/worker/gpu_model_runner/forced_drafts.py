@@ -247,7 +247,8 @@ PATCHES: list[Patch] = [
                 "after _bookkeeping_sync (the step's tokens are in "
                 "output_token_ids, token_ids_cpu and num_tokens_no_spec), "
                 "stores the list it returns in _draft_token_ids and then "
-                "calls _copy_draft_token_ids_to_cpu(scheduler_output)"),
+                "calls _copy_draft_token_ids_to_cpu(scheduler_output)",
+                on_build=True),
             pin("vllm.v1.worker.gpu_model_runner:GPUModelRunner"
                 "._copy_draft_token_ids_to_cpu",
                 "leaves a list of drafts in _draft_token_ids untouched "
@@ -255,7 +256,8 @@ PATCHES: list[Patch] = [
             pin("vllm.v1.worker.gpu_model_runner:GPUModelRunner"
                 ".propose_draft_token_ids",
                 "its ngram and suffix branches return one list of drafts per "
-                "batch row (input_batch.req_ids order)"),
+                "batch row (input_batch.req_ids order)",
+                on_build=True),
             pin("vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer"
                 ".propose",
                 "speculate(req_id, pattern, max_spec_tokens, "
