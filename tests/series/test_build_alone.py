@@ -1,5 +1,13 @@
-"""The guarantee end-to-end engine tests on the patched vLLM 0.32.0 build
-with the plugin off: for each guarantee the build carries whole, that
+"""vLLM's scheduler tier and the guarantee end-to-end engine tests on the
+patched vLLM 0.32.0 build with the plugin off.
+
+The scheduler tier (vLLM's real Scheduler / AsyncScheduler with real
+grammars, the conformance scenarios and the fuzzer) runs in the build's own
+environment in its stock mode (VLLM_PATCH_DISABLE=1, the plugin not
+installed): each guarantee test expects the build's own code to hold the
+guarantees the build carries (tests/conftest.py `native`) and stock's
+failure for the others, and a test of the plugin's own code for a carried
+guarantee skips. For each guarantee the build carries whole, that
 guarantee's engine test (a real engine, the tiny local model drafting for
 itself, real grammars) runs in the build's own environment (the plugin not
 installed, VLLM_PATCH_DISABLE=1: the stock run) and passes, i.e. the build
@@ -26,7 +34,10 @@ VERSION = "0.32.0"
 REPO = Path(__file__).resolve().parents[2]
 # The engine test of each guarantee that reads the build's native
 # guarantees in its stock run.
-ENGINE_TESTS = {"G2": ("tests/e2e/test_g2_engine.py", 4)}
+# (file, tests that pass, configurations it prints a line for)
+ENGINE_TESTS = {"G2": ("tests/e2e/test_g2_engine.py", 4, 4),
+                # In-process (2 async configurations) and multiprocess (1).
+                "G3": ("tests/e2e/test_g3_engine.py", 2, 3)}
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +56,31 @@ def test_every_carried_guarantee_has_an_engine_test():
     assert CARRIED and set(CARRIED) <= set(ENGINE_TESTS), CARRIED
 
 
-@pytest.mark.parametrize("gid", CARRIED)
-def test_build_alone_passes_the_engine_test(env, gid):
-    path, cases = ENGINE_TESTS[gid]
+def _stock_env() -> dict[str, str]:
     run_env = series_env._clean_env()
     run_env.update(PYTHONPATH=str(REPO), VLLM_PATCH_DISABLE="1",
                    VLLM_PLUGINS="", VLLM_TARGET_DEVICE="cpu")
+    return run_env
+
+
+def test_scheduler_tier_passes_on_the_build_alone(env):
+    assert not series_env.has_plugin(env)
+    res = subprocess.run(
+        [str(env / "bin" / "python"), "-m", "pytest", "-q", "-p",
+         "no:cacheprovider", "-m", "scheduler", "-rfE", "tests"],
+        env=_stock_env(), cwd=REPO, capture_output=True, text=True,
+        timeout=1800)
+    out = res.stdout
+    assert res.returncode == 0, out[-6000:] + res.stderr[-2000:]
+    summary = out.strip().splitlines()[-1]
+    passed = int(re.search(r"(\d+) passed", summary).group(1))
+    assert passed >= 100, summary
+
+
+@pytest.mark.parametrize("gid", CARRIED)
+def test_build_alone_passes_the_engine_test(env, gid):
+    path, cases, configs = ENGINE_TESTS[gid]
+    run_env = _stock_env()
     assert not series_env.has_plugin(env)
     res = subprocess.run(
         [str(env / "bin" / "python"), "-m", "pytest", "-q", "-s", "-p",
@@ -61,5 +91,5 @@ def test_build_alone_passes_the_engine_test(env, gid):
     # Every configuration ran with the build's own G2, none skipped.
     assert re.search(rf"^{cases} passed", out.strip().splitlines()[-1]), out[-2000:]
     lines = [ln for ln in out.splitlines() if f"{gid}-E2E " in ln]
-    assert len(lines) == cases and all(f"stock, {gid} native" in ln
-                                       for ln in lines), lines
+    assert len(lines) == configs and all(f"stock, {gid} native" in ln
+                                         for ln in lines), lines
