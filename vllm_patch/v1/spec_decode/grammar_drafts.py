@@ -706,6 +706,7 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         if getattr(params, "structured_outputs", None) is None \
                 or req_id in t.lost:
             continue
+        tokens = _until_stop(params, tokens)
         shadow = t.shadows.get(req_id)
         if shadow is None:
             earlier = list(getattr(state, "output_token_ids", ()))
@@ -775,6 +776,21 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     t.cost.observe(batch_tokens, gain, extra_rows)
     t.cost.charge(t0, upkeep=True)
     t.cost.upkept(len(t.shadows))
+
+
+def _until_stop(params: Any, tokens: list[int]) -> list[int]:
+    """`tokens` up to and including the first one that ends the request
+    (vLLM's `check_stop`: the request's EOS unless ignore_eos, or one of its
+    stop_token_ids). The scheduler drops what a step sampled after it (a
+    draft or the bonus token after an accepted stop token): the shadow must
+    not take it either (its grammar has ended there and would refuse it:
+    counted as a lost shadow, not as the end it is)."""
+    eos = getattr(params, "eos_token_id", None)
+    stops = getattr(params, "stop_token_ids", None) or ()
+    for j, x in enumerate(tokens[:-1]):
+        if x == eos or x in stops:
+            return tokens[:j + 1]
+    return tokens
 
 
 def _accepts(grammar: Any, req_id: str, tokens: list[int]) -> bool:
