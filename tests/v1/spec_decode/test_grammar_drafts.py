@@ -491,3 +491,62 @@ def test_grammar_end_inside_a_step_is_an_end_not_a_lost_shadow(
     assert g.accept_tokens(ends_stop, took)
     assert torch.equal(_allowed(t.shadows[ends_stop].grammar, vocab),
                        _allowed(g, vocab))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_whole_batch_drafts_from_candidates(backend, patched, monkeypatch):
+    """A batch whose every row walks its grammar, with top-k candidates up
+    front (the accelerator's path): the drafts come from the candidates'
+    first column (no argmax of the drafter's own) and only the rows whose
+    choice differs are written back. The drafts equal the CPU path's (its
+    argmax, then the candidates of the rows that refused it), both where the
+    drafter prefers a forbidden token at every position and where it
+    prefers exactly the drafts the grammar allows (nothing to write back)."""
+    if not patched:
+        pytest.skip("no grammar-aware drafting in stock vLLM")
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    h, rids, requests = _setup(backend)
+    rids = rids[:2]  # the structured rows only
+    requests = {rid: requests[rid] for rid in rids}
+    vocab = h.vllm_config.model_config.get_vocab_size()
+
+    def run(upfront, prefer):
+        monkeypatch.setattr(gd, "CANDIDATES_UPFRONT", upfront)
+        drafter = _drafter(h.vllm_config)
+        gen = torch.Generator().manual_seed(0)
+        gd.advance(drafter, requests, rids, [[-1]] * 2, [False] * 2)
+        gd.begin(drafter, 2)
+        cols = []
+        try:
+            for pos in range(K):
+                logits = torch.randn(2, vocab, generator=gen)
+                for r in range(2):
+                    logits[r, prefer(r, pos)] = 100.0
+                ids, _ = drafter._sample_draft_tokens(
+                    logits, SimpleNamespace(all_greedy=True))
+                cols.append(ids.tolist())
+        finally:
+            gd.end(drafter)
+        return [list(c) for c in zip(*cols)], gd.stats(drafter)
+
+    bad = h.tok("x")
+    lazy, _ = run(False, lambda r, pos: bad)
+    upfront, stats = run(True, lambda r, pos: bad)
+    assert upfront == lazy, (upfront, lazy)
+    assert stats["positions"] > 0
+    for rid, d in zip(rids, upfront):
+        assert h.grammar(rid).validate_tokens(d) == d
+    # The drafter prefers the valid drafts themselves: every first
+    # candidate is taken, nothing written back, the same drafts.
+    writes = []
+    real = gd._to_device
+
+    def spy(t, values, device):
+        writes.append(list(values))
+        return real(t, values, device)
+
+    monkeypatch.setattr(gd, "_to_device", spy)
+    again, _ = run(True, lambda r, pos: lazy[r][pos])
+    assert again == lazy
+    assert writes == [], writes
