@@ -68,6 +68,13 @@ stock's figure on the steps its cost model kept stock.
     python benchmarks/grammar_draft_cost.py --quick                 # < 30 s
     python benchmarks/grammar_draft_cost.py --vocabs tekken --json /tmp/c.json
     python benchmarks/grammar_draft_cost.py --profile               # hot spots
+
+--verify-threads gives the patched lanes' scheduler vLLM's fill pool, so the
+package's threaded verification rows run (xgrammar, at least 128 rows);
+without it every lane fills its rows serially on the engine thread, and the
+projection prices them so. The verification is timed in wall time too
+(`verify_wall_ms`, projected as `wall_20ms`): meaningful on an idle machine
+only (the lock keeps other benchmarks off, not other work).
 """
 
 from __future__ import annotations
