@@ -26,8 +26,9 @@ stock) and the grammar's forced continuation was drafted.
 Stock (VLLM_PATCH_DISABLE=1): the perfect drafter proposes the model's
 unconstrained choice, the grammar cuts it: below 3.75.
 
-Minutes per engine (the interpreter runs every Triton kernel in numpy):
-marker `v2` only, outside scripts/test.sh's tiers.
+Minutes per engine (the interpreter runs every Triton kernel in numpy;
+about 4 minutes patched for the four variants, 30 s stock): marker `v2`
+only, outside scripts/test.sh's tiers.
 
     python -m pytest tests/v1/worker/gpu/test_v2_grammar_drafts_engine.py -m v2 -q -s
     VLLM_PATCH_DISABLE=1 python -m pytest tests/v1/worker/gpu/test_v2_grammar_drafts_engine.py -m v2 -q -s
