@@ -114,6 +114,9 @@ BUILD_DIGESTS: dict[str, dict[str, str]] = {
     _R + "sample_tokens": _both("0d4aa428c471a1fd"),
     _R + "propose_draft_token_ids": {"0.32": "996c4bc0b4bad938",
                                      "0.33": "29f8b5423348c5a3"},
+    # 0007 (G4): the waiting loop skips a request whose grammar still compiles
+    # unless an async remote KV load starts (the running loop is unchanged).
+    _S + "schedule": {"0.32": "0d449dfca162dc51", "0.33": "f6c0de308544d95b"},
 }
 
 

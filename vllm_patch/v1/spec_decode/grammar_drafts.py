@@ -706,6 +706,7 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         if getattr(params, "structured_outputs", None) is None \
                 or req_id in t.lost:
             continue
+        tokens = _until_stop(params, tokens)
         shadow = t.shadows.get(req_id)
         if shadow is None:
             earlier = list(getattr(state, "output_token_ids", ()))
@@ -775,6 +776,21 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     t.cost.observe(batch_tokens, gain, extra_rows)
     t.cost.charge(t0, upkeep=True)
     t.cost.upkept(len(t.shadows))
+
+
+def _until_stop(params: Any, tokens: list[int]) -> list[int]:
+    """`tokens` up to and including the first one that ends the request
+    (vLLM's `check_stop`: the request's EOS unless ignore_eos, or one of its
+    stop_token_ids). The scheduler drops what a step sampled after it (a
+    draft or the bonus token after an accepted stop token): the shadow must
+    not take it either (its grammar has ended there and would refuse it:
+    counted as a lost shadow, not as the end it is)."""
+    eos = getattr(params, "eos_token_id", None)
+    stops = getattr(params, "stop_token_ids", None) or ()
+    for j, x in enumerate(tokens[:-1]):
+        if x == eos or x in stops:
+            return tokens[:j + 1]
+    return tokens
 
 
 def _accepts(grammar: Any, req_id: str, tokens: list[int]) -> bool:
@@ -1021,21 +1037,23 @@ def sample(drafter: Any, original: Any, hidden_states: Any,
         _walk(t, None, ids, probs, rows, pos, vocab_model, k)
     else:
         logits = drafter.model.compute_logits(hidden_states)
-        ids, probs = logits.argmax(dim=-1), None
-        _walk(t, logits, ids, None, rows, pos, vocab_model, k)
+        ids, probs = _walk(t, logits, None, None, rows, pos, vocab_model,
+                           k), None
     t.cost.charge(t0)
     return ids, probs
 
 
 def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
           rows: list[tuple[int, Shadow]], pos: int, vocab_model: int,
-          k: int) -> None:
+          k: int) -> Any:
     """Steps 1-4 above; `ids` (and `probs`, one-hot at a forced token) are
-    changed in place. `logits` None: the drafter sampled (forced drafts
-    only, no masking)."""
+    changed in place, and returned. `ids` None: the drafter's argmax is
+    computed here (when every row walks with top-k candidates, it is their
+    first column: no argmax of its own). `logits` None: the drafter sampled
+    (forced drafts only, no masking)."""
     import torch
 
-    device = ids.device
+    device = (ids if ids is not None else logits).device
     masked = t.masked and logits is not None
     m = min(CANDIDATES, vocab_model) if masked else 1
     upfront = CANDIDATES_UPFRONT if CANDIDATES_UPFRONT is not None \
@@ -1043,8 +1061,16 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
     index = [i for i, _ in rows]
     # Every row of the batch, in order (a batch of structured requests):
     # no gather (on a GPU, a copy of the whole [rows, vocab] logits).
-    whole = len(index) == ids.shape[0] and index == list(range(len(index)))
+    n_batch = (ids if ids is not None else logits).shape[0]
+    whole = len(index) == n_batch and index == list(range(len(index)))
     idx = None if whole else _to_device(t, index, device)
+    from_candidates = ids is None and whole and upfront and m > 1
+    if ids is None and not from_candidates:
+        ids = logits.argmax(dim=-1)
+    # Each walking row's token in `ids` is its first candidate (so only
+    # the rows whose choice differs need writing back): not where the
+    # top-k's first and the argmax may differ (a tie).
+    exact = from_candidates or not (upfront and m > 1)
     # 1. candidates (and the previous position's masked argmax tokens).
     d0 = time.thread_time_ns()
     if upfront and m > 1:
@@ -1059,6 +1085,8 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             cand_dev = logits[idx].topk(m, dim=-1).indices
     else:
         cand_dev = (ids if whole else ids[idx]).unsqueeze(1)
+    if from_candidates:
+        ids = cand_dev[:, 0]
     t.stats["device_ns"] += time.thread_time_ns() - d0
     pending, t.pending = t.pending, None
     parts = [cand_dev.reshape(-1)]
@@ -1171,13 +1199,16 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
         if masked_rows:
             _masked_argmax(t, logits, ids, bitmask, rows, todo, masked_rows,
                            index, pos, k, vocab_model, defer=upfront)
-    # 4. write back the chosen tokens (all of them: with top-k candidates
-    # the first may differ from the argmax on a tie), count what changed.
-    if chosen:
-        at = _to_device(t, [index[r] for r in chosen], device)
-        values = _to_device(t, list(chosen.values()), device).to(ids.dtype)
+    # 4. write back the chosen tokens that differ from what `ids` holds
+    # (all of them where it may hold another token: see `exact`), in one
+    # copy to the device; count what changed.
+    write = [r for r, token in chosen.items()
+             if not exact or token != firsts[r]]
+    if write:
+        pair = _to_device(t, [index[r] for r in write]
+                          + [chosen[r] for r in write], device)
         d0 = time.thread_time_ns()
-        ids[at] = values
+        ids[pair[:len(write)]] = pair[len(write):].to(ids.dtype)
         t.stats["device_ns"] += time.thread_time_ns() - d0
     t.stats["positions"] += len(chosen)
     for r, token in chosen.items():
@@ -1202,6 +1233,7 @@ def _walk(t: Tracker, logits: Any, ids: Any, probs: Any,
             sh.walking = False
             t.limits[sh.req_id] = pos + 1
             t.stats["ended"] += 1
+    return ids
 
 
 def _masked_argmax(t: Tracker, logits: Any, ids: Any, bitmask: Any,

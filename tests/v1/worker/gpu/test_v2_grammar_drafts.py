@@ -86,12 +86,13 @@ class _Runner:
             index_to_req_id=dict(enumerate(rids)))
 
 
-def _setup(backend, kind):
+def _setup(backend, kind, structured_only=False):
     from vllm_patch.testing.harness import Harness
 
     h = Harness(backend, num_spec_tokens=K, disable_any_whitespace=True)
-    rids = [h.add_request(json=SCHEMA), h.add_request(regex="abc"),
-            h.add_request()]
+    rids = [h.add_request(json=SCHEMA), h.add_request(regex="abc")]
+    if not structured_only:
+        rids.append(h.add_request())
     for rid in rids[:2]:
         h.wait_for_grammar(rid)
     spec = _speculator(kind, h.vllm_config)
@@ -158,6 +159,27 @@ def test_v2_masked_and_forced_drafts(backend, kind, patched, monkeypatch):
     again, _ = _step(h, spec, runner, rids, bad)
     assert again[:2] == drafts[:2]
     for rid, d in zip(rids[:2], drafts[:2]):
+        assert h.grammar(rid).validate_tokens(d) == d
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_v2_whole_batch_drafts_from_candidates(backend, patched, monkeypatch):
+    """Every row of the batch structured, top-k candidates up front (the
+    accelerator's path): the drafter's choice is the candidates' first
+    column, not an argmax of its own; the drafts equal the CPU path's."""
+    if not patched:
+        pytest.skip("no grammar-aware drafting in stock vLLM")
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    out = {}
+    for upfront in (False, True):
+        monkeypatch.setattr(gd, "CANDIDATES_UPFRONT", upfront)
+        h, rids, spec, runner = _setup(backend, "draft_model",
+                                       structured_only=True)
+        out[upfront], _ = _step(h, spec, runner, rids, h.tok("x"))
+        assert gd.stats(spec)["positions"] > 0
+    assert out[True] == out[False], out
+    for rid, d in zip(rids, out[True]):
         assert h.grammar(rid).validate_tokens(d) == d
 
 

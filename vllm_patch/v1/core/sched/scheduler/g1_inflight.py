@@ -562,7 +562,8 @@ _PIN_SCHEDULE = pin(
     "max_tokens placeholders, next_decode_eligible_step) and its token "
     "count; schedule() increments current_step before that loop and skips a "
     "running request while current_step < next_decode_eligible_step, the "
-    "field the gate overwrites for one call")
+    "field the gate overwrites for one call (the patch series' build changes "
+    "only the waiting loop)", on_build=True)
 _PIN_ASYNC_AFTER = pin(
     "vllm.v1.core.sched.async_scheduler:AsyncScheduler._update_after_schedule",
     "calls super()._update_after_schedule first and only ORs "

@@ -264,12 +264,15 @@ def _sample(t: gd.Tracker, spec: Any, hidden_states: Any, idx_mapping: Any,
     t.position += 1
     k = int(getattr(spec, "num_speculative_steps", 1) or 1)
     logits = spec.compute_draft_logits(hidden_states, spec_step_idx)
-    ids = logits.argmax(dim=-1)
     rows = [(i, sh) for i, (_, sh) in t.rows.items() if sh.walking]
     vocab = int(spec.vllm_config.model_config.get_vocab_size())
     if rows and hidden_states.shape[0] > max(i for i, _ in rows) \
             and logits.shape[-1] >= vocab:
-        gd._walk(t, logits, ids, None, rows, pos, vocab, k)
+        # The drafter's argmax is computed by the walk (none where every
+        # row walks with top-k candidates: their first column).
+        ids = gd._walk(t, logits, None, None, rows, pos, vocab, k)
+    else:
+        ids = logits.argmax(dim=-1)
     t.cost.charge(t0)
     spec._maybe_predict_acceptance(logits, idx_mapping, draft_step)
     if t.position >= k:
