@@ -37,7 +37,12 @@ REPO = Path(__file__).resolve().parents[2]
 # (file, tests that pass, configurations it prints a line for)
 ENGINE_TESTS = {"G2": ("tests/e2e/test_g2_engine.py", 4, 4),
                 # In-process (2 async configurations) and multiprocess (1).
-                "G3": ("tests/e2e/test_g3_engine.py", 2, 3)}
+                "G3": ("tests/e2e/test_g3_engine.py", 2, 3),
+                # G4's engine tests are the real NixlConnector P/D pair (two
+                # servers, minutes, the machine's cores to themselves): on
+                # the build G4 is checked by its conformance scenarios and
+                # the vLLM-tree test (test_patched_build.py), not here.
+                "G4": None}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +84,8 @@ def test_scheduler_tier_passes_on_the_build_alone(env):
 
 @pytest.mark.parametrize("gid", CARRIED)
 def test_build_alone_passes_the_engine_test(env, gid):
+    if ENGINE_TESTS[gid] is None:
+        pytest.skip(f"{gid}: no engine test on the build (see ENGINE_TESTS)")
     path, cases, configs = ENGINE_TESTS[gid]
     run_env = _stock_env()
     assert not series_env.has_plugin(env)
