@@ -259,3 +259,16 @@ def _validate_schema(backend: str, schema: dict) -> None:
         err = llguidance.LLMatcher.validate_grammar(grammar)
         if err:
             raise ValueError(err)
+
+
+def check_xgrammar_batching(stats: dict[str, Any], backend: str) -> None:
+    """Grammar-aware drafting's counters after an engine run: with xgrammar
+    the shadows' accepts went through the batched calls (several rows per
+    call) and every batch result was read in one call; other backends never
+    take that path."""
+    if backend == "xgrammar":
+        assert stats["xgr_batch_accept_calls"] > 0, stats
+        assert stats["xgr_batch_accept_rows"] > stats["xgr_batch_accept_calls"], stats
+        assert stats["xgr_flags_slow"] == 0, stats
+    else:
+        assert stats["xgr_batch_accept_calls"] == 0, stats
