@@ -14,8 +14,8 @@ vLLM 0.33.0 (its Python package on PYTHONPATH; its CUDA build cannot run on a
 CPU, so only the tiers that need no engine run there), each twice: patched,
 and stock (VLLM_PATCH_DISABLE=1), where every guarantee test must observe the
 failure the patch removes. With no option it runs everything, as CI does
-(about 50 minutes on 2 cores; the series tier about 4 more, 5 on the first
-run, which copies the venv).
+(about 50 minutes on 2 cores, the series tier's 7-9 included; its first
+run copies the venv).
 
   --vllm V        only vLLM V (0.32 or 0.33); default: both
   --mode M        only M (patched or stock); default: both
@@ -27,9 +27,11 @@ run, which copies the venv).
                                model, real P/D pairs (ExampleConnector, NIXL) (0.32)
                     launch     the Ray launcher on a real local Ray cluster (0.32)
                     series     the patched vLLM build (vllm-patch build-vllm) installed
-                               into its own environment without the plugin, with the
-                               tests the patch series adds to vLLM (0.32; runs once,
-                               with the patched runs: it checks both builds itself)
+                               into its own environment without the plugin: the tests
+                               the patch series adds to vLLM, the scheduler tier and
+                               the G2 / G3 engine tests with the plugin off, the 0.33
+                               wheel installed (0.32; runs once, with the patched
+                               runs: it checks both builds itself)
   --no-setup      skip scripts/setup.sh (the venv and the 0.33 tree must exist)
   -h, --help      this text
 
