@@ -13,7 +13,8 @@ from vllm_patch.conformance import g2 as g2_scenarios
 from vllm_patch.patching import REGISTRY, State, apply_patch, revert_patch, vllm_version
 from vllm_patch.v1.core.sched.scheduler import g2_commit_cut as g2
 
-pytestmark = pytest.mark.scheduler
+# These test the plugin's G2 code (skipped on a build carrying G2).
+pytestmark = [pytest.mark.scheduler, pytest.mark.usefixtures("plugin_g2")]
 
 INLINE_DEPENDENT = ("g2-commit-cut", "g2-spec-stats-cap")
 

@@ -19,16 +19,8 @@ import pytest
 
 from vllm_patch.testing.harness import Harness
 
-pytestmark = pytest.mark.scheduler
-
-
-@pytest.fixture(autouse=True)
-def _plugin_g2(native):
-    """These test the plugin's G2 code. A patched build carrying G2 does not
-    run it (vLLM's own code holds G2 there, with its own updated tests)."""
-    if "G2" in native:
-        pytest.skip("tests the plugin's G2 code, which a vLLM build carrying "
-                    "G2 does not apply")
+# These test the plugin's G2 code (skipped on a build carrying G2).
+pytestmark = [pytest.mark.scheduler, pytest.mark.usefixtures("plugin_g2")]
 
 
 def _bare_scheduler(cls):

@@ -108,7 +108,7 @@ def test_stop_on_grammar_termination_off(patched, native, monkeypatch):
     assert p6.run() == ([] if patched else p6.expected_stock(SERIES))
 
 
-def test_rejection_logs_once(patched, caplog):
+def test_rejection_logs_once(patched, plugin_g2, caplog):
     """One log line naming the request and the rejected token."""
     import logging
 
@@ -146,7 +146,7 @@ def test_bitmask_and_acceptable_drafts_recorded():
     h.drain()
 
 
-def test_fallback_without_accept_once(patched):
+def test_fallback_without_accept_once(patched, plugin_g2):
     """Without g2-accept-once (skipped / signature mismatch) the scheduler
     wrapper must not advance the grammar (stock would accept the same tokens
     again): it falls back to validate-only and every scenario still holds."""
@@ -168,7 +168,7 @@ def test_fallback_without_accept_once(patched):
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance", "outlines"])
-def test_one_grammar_walk_per_step(patched, backend):
+def test_one_grammar_walk_per_step(patched, plugin_g2, backend):
     """Patched: stock's post-append accept_tokens never reaches the grammar
     for tokens the wrapper already accepted; xgrammar does no separate
     validation either (one walk per step, as stock)."""
