@@ -68,10 +68,13 @@ def _fetch(version: str):
                     f"cannot be fetched from the package index: {exc}")
 
 
-def test_vllm_own_tests_slice(patched, tmp_path):
+def test_vllm_own_tests_slice(patched, native, tmp_path):
     if not patched:
         pytest.skip("this test runs vLLM's tests stock and patched itself; "
                     "it runs in the patched session only")
+    if native:
+        pytest.skip("a patched vLLM build: its own and vLLM's tests run in "
+                    "the series tier")
     version = vllm_version().split("+")[0]
     series = version_series(version)
     root = _fetch(version)

@@ -194,10 +194,10 @@ def test_drafter_skipped_only_when_every_request_ends(patched, native, async_):
     # Only structured requests, every one ends: skipped (patched).
     runner = _Runner([t, n], params, async_)
     got = _propose(runner, go, spec, [[b, EOS], [b, b, EOS]])
-    if not patched:
+    if not patched or "G3" in native:
         # Stock runs the drafter; a build carrying G3 skips it with its own
         # code (the stand-in calls the runner's method), without the
-        # plugin's counters.
+        # plugin's counters (the plugin does not apply its G3 code there).
         assert got == ("skipped" if "G3" in native else "drafter")
         return
     assert got == "skipped"
