@@ -4,7 +4,7 @@ patched vLLM 0.32.0 build with the plugin off.
 The scheduler tier (vLLM's real Scheduler / AsyncScheduler with real
 grammars, the conformance scenarios and the fuzzer) runs in the build's own
 environment in its stock mode (VLLM_PATCH_DISABLE=1, the plugin not
-installed): each guarantee test expects the build's own code to hold the
+installed), and once more with the plugin's patches applied: each guarantee test expects the build's own code to hold the
 guarantees the build carries (tests/conftest.py `native`) and stock's
 failure for the others, and a test of the plugin's own code for a carried
 guarantee skips. For each guarantee the build carries whole, that
@@ -68,12 +68,19 @@ def _stock_env() -> dict[str, str]:
     return run_env
 
 
-def test_scheduler_tier_passes_on_the_build_alone(env):
+@pytest.mark.parametrize("plugin", ["off", "on"])
+def test_scheduler_tier_passes_on_the_build_alone(env, plugin):
+    """Plugin off: the build alone. Plugin on (its patches applied in the
+    test process, as vLLM's plugin loader would): it applies nothing the
+    build carries, and every guarantee still holds."""
     assert not series_env.has_plugin(env)
+    run_env = _stock_env()
+    if plugin == "on":
+        del run_env["VLLM_PATCH_DISABLE"]
     res = subprocess.run(
         [str(env / "bin" / "python"), "-m", "pytest", "-q", "-p",
          "no:cacheprovider", "-m", "scheduler", "-rfE", "tests"],
-        env=_stock_env(), cwd=REPO, capture_output=True, text=True,
+        env=run_env, cwd=REPO, capture_output=True, text=True,
         timeout=1800)
     out = res.stdout
     assert res.returncode == 0, out[-6000:] + res.stderr[-2000:]
