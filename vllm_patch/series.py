@@ -4,7 +4,7 @@ A series patch is a `git format-patch` file against the release's source
 tree. Its commit message names the plugin patches it replaces
 (`Replaces-vllm-patch: <id>`) and a fingerprint of their source
 (`Vllm-patch-fingerprint: <id>=<sha256[:16]>` of the plugin module that
-defines the patch): tests/series/ fails when a plugin patch changes and its
+defines the patch and of the vllm_patch modules it imports): tests/series/ fails when a plugin patch changes and its
 series patch was not reviewed and re-stamped
 (`python -m vllm_patch.series --stamp`). Each patch also adds a
 `vllm/_patch_series_<name>.py` record, so a patched build says which plugin
@@ -27,7 +27,9 @@ import ast
 import base64
 import csv
 import hashlib
+import importlib
 import importlib.util
+import inspect
 import io
 import os
 import re
@@ -118,11 +120,46 @@ def read_series(version: str) -> list[SeriesPatch]:
     return out
 
 
-def plugin_fingerprint(patch_id: str) -> str:
-    """sha256[:16] of the source file of the plugin module defining
-    `patch_id` (coarse on purpose: any edit there asks for a review)."""
-    import inspect
+# The plugin's machinery (registry, switches, pins), not a guarantee's logic:
+# a change there is not a change of what a series patch must mirror.
+_MACHINERY = frozenset({"vllm_patch", "vllm_patch.envs", "vllm_patch.patching",
+                        "vllm_patch.audited"})
 
+
+def _plugin_imports(module: str) -> set[str]:
+    """The vllm_patch modules `module` imports at its top level (outside
+    functions), the plugin's machinery left out."""
+    tree = ast.parse(_module_source(module))
+    found: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif (isinstance(node, ast.ImportFrom) and node.level == 0
+              and (node.module or "").split(".")[0] == "vllm_patch"):
+            # `from pkg import sub`: the module pkg.sub (pkg's own code
+            # only where a name is not a submodule).
+            package = importlib.import_module(node.module)
+            subs = {a.name for a in node.names
+                    if inspect.ismodule(getattr(package, a.name, None))}
+            names = [f"{node.module}.{n}" for n in subs]
+            if len(subs) < len(node.names):
+                names.append(node.module)
+        else:
+            continue
+        found |= {n for n in names
+                  if n.split(".")[0] == "vllm_patch" and n not in _MACHINERY}
+    return found
+
+
+def _module_source(module: str) -> str:
+    return Path(importlib.import_module(module).__file__).read_text()
+
+
+def plugin_fingerprint(patch_id: str) -> str:
+    """sha256[:16] of the source of the plugin module defining `patch_id`
+    and of every vllm_patch module it imports at its top level, and so on
+    (coarse on purpose: any edit of code the patch runs asks for a review;
+    the plugin's machinery, `_MACHINERY`, is left out)."""
     import vllm_patch
     from vllm_patch import patching
 
@@ -130,8 +167,17 @@ def plugin_fingerprint(patch_id: str) -> str:
     patch = patching.REGISTRY.patches.get(patch_id)
     if patch is None:
         raise SeriesError(f"no plugin patch named {patch_id}")
-    source = inspect.getsource(sys.modules[patch.defined_in])
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+    seen: set[str] = set()
+    todo = [patch.defined_in]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(_plugin_imports(module) - seen)
+    digest = hashlib.sha256()
+    for module in sorted(seen):  # the defining module's name is in the set
+        digest.update(f"{module}\n{_module_source(module)}\n".encode())
+    return digest.hexdigest()[:16]
 
 
 def guarantee_patch_ids(gid: str, version: str,

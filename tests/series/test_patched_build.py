@@ -541,18 +541,25 @@ def test_drift_check_fails_when_a_patch_and_the_plugin_disagree(tmp_path):
 
 
 @pytest.mark.parametrize(("module", "changed", "patch"), [
+    # Every other G2 module imports the commit cut's: all of G2's patches.
     ("v1/core/sched/scheduler/g2_commit_cut.py",
-     {"g2-commit-cut-0.32", "g2-spec-stats-cap"}, CARRIED["G2"]),
+     {"g2-commit-cut-0.32", "g2-spec-stats-cap", "g2-accept-once",
+      "g2-request-spec-metrics-cap", "g2-async-stale-passthrough-0.32"},
+     CARRIED["G2"]),
     ("v1/structured_output/g3_rows.py", {"g3-bitmask-rows"}, G3_ROWS),
     ("v1/worker/gpu_model_runner/g3_drafts.py",
      {"g3-v1-runner-acceptable-drafts", "g3-no-drafts-after-grammar-end",
       "g3-no-drafts-handed-over-after-grammar-end"}, G3_RUNNER),
-], ids=["G2", "G3-rows", "G3-runner"])
+    # Imported by the runner's module: the grammar-end prediction it runs.
+    ("v1/spec_decode/grammar_end.py",
+     {"g3-v1-runner-acceptable-drafts", "g3-no-drafts-after-grammar-end",
+      "g3-no-drafts-handed-over-after-grammar-end"}, G3_RUNNER),
+], ids=["G2", "G3-rows", "G3-runner", "G3-runner-import"])
 def test_drift_check_fails_when_the_plugin_source_changes(tmp_path, module,
                                                           changed, patch):
-    """The plugin's G2 code (the commit cut's module), G3's row code or
-    G3's V1 runner code edited (a copy of the package with one line
-    added): the drift check
+    """The plugin's G2 code (the commit cut's module), G3's row code,
+    G3's V1 runner code or a module it imports edited (a copy of the
+    package with one line added): the drift check
     fails, naming the plugin patches that module defines, until the series
     patch that replaces them is reviewed and re-stamped."""
     pkg = tmp_path / "pkg"
