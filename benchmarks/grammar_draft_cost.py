@@ -69,12 +69,18 @@ stock's figure on the steps its cost model kept stock.
     python benchmarks/grammar_draft_cost.py --vocabs tekken --json /tmp/c.json
     python benchmarks/grammar_draft_cost.py --profile               # hot spots
 
---verify-threads gives the patched lanes' scheduler vLLM's fill pool, so the
-package's threaded verification rows run (xgrammar, at least 128 rows);
-without it every lane fills its rows serially on the engine thread, and the
-projection prices them so. The verification is timed in wall time too
-(`verify_wall_ms`, projected as `wall_20ms`): meaningful on an idle machine
-only (the lock keeps other benchmarks off, not other work).
+Verification threads as vLLM would run them (--verify-threads auto, the
+default): the patched lanes' scheduler gets vLLM's fill pool where vLLM
+builds it (max_num_seqs > 128; max_num_seqs is B here), so the package's
+threaded verification rows run where its own measurements choose them
+(xgrammar, at least 128 rows). Their price is the one the drafting cost
+model reads: a row at stock's measured cost per row times the patched
+scheduler's measured ratio of wall time per row threaded to serial
+(`verify_row_factor`, 1 where the walk stays serial); stock fills its rows
+serially. `on` / `off` give every cell the pool or none. The verification
+is timed in wall time too (`verify_wall_ms`, projected as `wall_20ms`):
+meaningful on an idle machine only (the lock keeps other benchmarks off,
+not other work).
 """
 
 from __future__ import annotations
@@ -146,14 +152,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the drafting path of a CPU device (lazy top-k) instead "
                          "of the accelerator's (top-k candidates up front)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--verify-threads", action="store_true",
-                    help="give the patched lanes' scheduler vLLM's fill pool "
-                         "(half the cores, at most 8; vLLM builds it when "
-                         "max_num_seqs > 128), so the package's threaded "
+    ap.add_argument("--verify-threads", choices=("auto", "on", "off"),
+                    default="auto", nargs="?", const="on",
+                    help="vLLM's fill pool (half the cores, at most 8) for the "
+                         "patched lanes' scheduler, so the package's threaded "
                          "verification rows run where its own measurements "
-                         "choose them (xgrammar, at least 128 rows); read "
-                         "the wall-time projection (`wall_20ms`, the table's "
-                         "last column) with it, under the lock")
+                         "choose them (xgrammar, at least 128 rows): auto "
+                         "(default) where vLLM builds the pool, max_num_seqs "
+                         "(= B here) > 128; on: every cell; off: none. The "
+                         "projection and the cost model price the rows at "
+                         "the measured threaded share (`verify_row_factor`)")
     ap.add_argument("--quick", action="store_true",
                     help="a few cells (32k xgrammar, k=4, B=1,8,32; 3 reps)")
     ap.add_argument("--profile", action="store_true",
@@ -224,7 +232,8 @@ class World:
             ("grammar_bitmask", "_fill_bitmasks", "validate_tokens")})
         self.managers = {}
         pool = None
-        if getattr(args, "verify_threads", False):
+        self.threads = getattr(args, "verify_threads", "auto")
+        if self.threads in ("auto", "on", True):
             from concurrent.futures import ThreadPoolExecutor
 
             pool = ThreadPoolExecutor(
@@ -238,9 +247,8 @@ class World:
             m._grammar_bitmask = None
             m._full_mask = torch.tensor(-1, dtype=torch.int32)
             m.fill_bitmask_parallel_threshold = 128
-            if pool is not None and mode != "stock":
-                m.executor_for_fillmask = pool
-                m.fill_bitmask_parallel_batch_size = 16
+            m.executor_for_fillmask = None
+            m.fill_bitmask_parallel_batch_size = 16
             m.tokenizer = self.tokenizer
             m._use_async_grammar_compilation = False
             self.managers[mode] = m
@@ -248,6 +256,7 @@ class World:
                 # The in-process executor: the drafter finds the scheduler's
                 # manager (as the patched __init__ registers it).
                 gd.MANAGERS.add(m)
+        self.pool = pool
         self.docs = self._documents(args)
         if not self.docs:
             raise LookupError(f"no instance compiles and validates with {kind}")
@@ -269,6 +278,15 @@ class World:
         m = self.managers[mode]
         m.vllm_config = cfg
         m._grammar_bitmask = None  # sized for (batch, k)
+        # vLLM builds its fill pool when max_num_seqs > 128 (stock never
+        # uses it with drafts); each cell measures its own threaded walk.
+        threads = self.threads in ("on", True) or (
+            self.threads == "auto" and batch > 128)
+        m.executor_for_fillmask = self.pool if threads and mode != "stock" \
+            else None
+        from vllm_patch.v1.structured_output import parallel_rows
+
+        m.__dict__.pop(parallel_rows._CHOICE_ATTR, None)
         return cfg
 
     def _documents(self, args: argparse.Namespace) -> list[tuple[str, list[int]]]:
@@ -709,6 +727,19 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
         if "on" in per[mode] and t is not None:
             med["on_share"] = statistics.fmean(per[mode]["on"])
             med["regime_last"] = t.cost.regime
+        # What a verification row costs the engine thread as a share of a
+        # serial one: the scheduler's own measured threaded / serial ratio
+        # where its walk runs threaded (the same price the cost model reads).
+        from vllm_patch.v1.structured_output import parallel_rows
+
+        med["verify_row_factor"] = 1.0 if mode == "stock" else \
+            parallel_rows.row_factor(lanes[mode].manager,
+                                     int(med.get("verify_rows", 0)))
+        med["verify_threads"] = int(
+            getattr(lanes[mode].manager, "executor_for_fillmask", None)
+            is not None)
+        if t is not None and t.cost is not None:
+            med["cost_row_factor"] = t.cost.row_factor
         out["modes"][mode] = med
     return out
 
@@ -749,8 +780,9 @@ def priced_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
     modes = cell["modes"]
     stock = modes["stock"]
     per_row = stock["verify_ms"] / max(stock.get("verify_rows", 0.0), 1.0)
-    return {mode: (per_row * m["verify_rows"] if "verify_rows" in m
-                   else m["verify_ms"]) + m.get("draft_cpu_ms", 0.0)
+    return {mode: (per_row * m.get("verify_row_factor", 1.0) * m["verify_rows"]
+                   if "verify_rows" in m else m["verify_ms"])
+            + m.get("draft_cpu_ms", 0.0)
             for mode, m in modes.items()}
 
 
@@ -773,7 +805,8 @@ def modelled_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
         per_row = stock["verify_ms"] / max(stock["verify_rows"], 1.0)
         rows = stock["verify_rows"] + share * (always["verify_rows"]
                                                - stock["verify_rows"])
-        priced["default"] = per_row * rows + default.get("draft_cpu_ms", 0.0)
+        priced["default"] = per_row * default.get("verify_row_factor", 1.0) \
+            * rows + default.get("draft_cpu_ms", 0.0)
     return priced
 
 
@@ -843,8 +876,9 @@ def table(cells: list[dict[str, Any]]) -> str:
             "default (on share) | total grammar CPU: always vs stock | "
             "h2d KB always | syncs | projected tok/s vs stock @20 ms, EAGLE: "
             "always / default | perfect: always / default | "
-            "EAGLE from wall times: always / default |")
-    lines = [head, "|" + "---|" * 14]
+            "EAGLE from wall times: always / default | "
+            "row factor: default |")
+    lines = [head, "|" + "---|" * 15]
     for c in cells:
         m = c["modes"]
         s, a, d = m["stock"], m["always"], m["default"]
@@ -860,7 +894,8 @@ def table(cells: list[dict[str, Any]]) -> str:
             f"{p['eagle']['always']:.2f}x / {p['eagle']['default']:.2f}x | "
             f"{p['perfect']['always']:.2f}x / {p['perfect']['default']:.2f}x | "
             + (f"{w['eagle']['always']:.2f}x / {w['eagle']['default']:.2f}x |"
-               if (w := c["projection"].get("wall_20ms")) else "- |"))
+               if (w := c["projection"].get("wall_20ms")) else "- |")
+            + f" {d.get('verify_row_factor', 1.0):.2f} |")
     return "\n".join(lines)
 
 
