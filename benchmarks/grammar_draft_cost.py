@@ -73,11 +73,12 @@ Verification threads as vLLM would run them (--verify-threads auto, the
 default): the patched lanes' scheduler gets vLLM's fill pool where vLLM
 builds it (max_num_seqs > 128; max_num_seqs is B here), so the package's
 threaded verification rows run where its own measurements choose them
-(xgrammar, at least 128 rows). Their price is the one the drafting cost
-model reads: a row at stock's measured cost per row times the patched
-scheduler's measured ratio of wall time per row threaded to serial
-(`verify_row_factor`, 1 where the walk stays serial); stock fills its rows
-serially. `on` / `off` give every cell the pool or none. The verification
+(xgrammar, at least 128 rows); stock fills its rows serially. A threaded
+lane's row is priced at stock's cost per row times the lane's measured wall
+time per row over stock's (what the threads really cost here, the waits
+included); `verify_row_factor` keeps what the scheduler's own measurements
+claimed (threaded / serial wall per row), the price the drafting cost
+model reads. `on` / `off` give every cell the pool or none. The verification
 is timed in wall time too (`verify_wall_ms`, projected as `wall_20ms`):
 meaningful on an idle machine only (the lock keeps other benchmarks off,
 not other work).
@@ -768,6 +769,21 @@ def _time_compiles() -> None:
 
 # ------------------------------------------------------------- projection
 
+def row_factor(m: dict[str, Any], stock: dict[str, Any]) -> float:
+    """What a verification row cost this lane's engine thread against a
+    row of stock's serial walk: where the lane's scheduler had vLLM's fill
+    pool, the measured wall time per row, the lane's over stock's (what
+    the threaded walk really cost, the waits for the fill threads
+    included; `verify_row_factor` is what the scheduler's own measurements
+    claimed, which the drafting cost model reads); 1 for a serial lane
+    (its rows are stock's work, priced at stock's cost per row)."""
+    if not m.get("verify_threads") or not m.get("verify_rows") \
+            or not stock.get("verify_rows") or not stock.get("verify_wall_ms"):
+        return 1.0
+    return (m["verify_wall_ms"] / m["verify_rows"]) \
+        / (stock["verify_wall_ms"] / stock["verify_rows"])
+
+
 def priced_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
     """Each mode's grammar CPU per step with its verification priced at
     stock's measured cost per bitmask row in the same cell, times the rows
@@ -780,7 +796,7 @@ def priced_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
     modes = cell["modes"]
     stock = modes["stock"]
     per_row = stock["verify_ms"] / max(stock.get("verify_rows", 0.0), 1.0)
-    return {mode: (per_row * m.get("verify_row_factor", 1.0) * m["verify_rows"]
+    return {mode: (per_row * row_factor(m, stock) * m["verify_rows"]
                    if "verify_rows" in m else m["verify_ms"])
             + m.get("draft_cpu_ms", 0.0)
             for mode, m in modes.items()}
@@ -805,7 +821,7 @@ def modelled_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
         per_row = stock["verify_ms"] / max(stock["verify_rows"], 1.0)
         rows = stock["verify_rows"] + share * (always["verify_rows"]
                                                - stock["verify_rows"])
-        priced["default"] = per_row * default.get("verify_row_factor", 1.0) \
+        priced["default"] = per_row * row_factor(default, stock) \
             * rows + default.get("draft_cpu_ms", 0.0)
     return priced
 
@@ -877,7 +893,7 @@ def table(cells: list[dict[str, Any]]) -> str:
             "h2d KB always | syncs | projected tok/s vs stock @20 ms, EAGLE: "
             "always / default | perfect: always / default | "
             "EAGLE from wall times: always / default | "
-            "row factor: default |")
+            "row price vs stock's, default: measured / the scheduler's |")
     lines = [head, "|" + "---|" * 15]
     for c in cells:
         m = c["modes"]
@@ -895,7 +911,7 @@ def table(cells: list[dict[str, Any]]) -> str:
             f"{p['perfect']['always']:.2f}x / {p['perfect']['default']:.2f}x | "
             + (f"{w['eagle']['always']:.2f}x / {w['eagle']['default']:.2f}x |"
                if (w := c["projection"].get("wall_20ms")) else "- |")
-            + f" {d.get('verify_row_factor', 1.0):.2f} |")
+            + f" {row_factor(d, s):.2f} / {d.get('verify_row_factor', 1.0):.2f} |")
     return "\n".join(lines)
 
 
