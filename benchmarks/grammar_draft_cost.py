@@ -736,9 +736,10 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
         med["verify_row_factor"] = 1.0 if mode == "stock" else \
             parallel_rows.row_factor(lanes[mode].manager,
                                      int(med.get("verify_rows", 0)))
-        med["verify_threads"] = int(
-            getattr(lanes[mode].manager, "executor_for_fillmask", None)
-            is not None)
+        # Threads where the package may walk the rows on them (xgrammar,
+        # the pool, the switch): a guidance lane's walk stays serial.
+        med["verify_threads"] = int(mode != "stock" and parallel_rows.wanted(
+            lanes[mode].manager, ["a", "b"]))
         if t is not None and t.cost is not None:
             med["cost_row_factor"] = t.cost.row_factor
         out["modes"][mode] = med
