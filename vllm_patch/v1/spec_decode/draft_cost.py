@@ -29,8 +29,9 @@ Both sides are measured on the running worker, per step of its drafter:
   its own measurements chose threads) the ratio of the wall time per row
   it measured threaded to serial. Only the in-process executor can read
   that (the scheduler's manager is in this process); a multiprocess worker
-  has no scheduler, so there the rows are priced serially. Only walking steps' costs are averaged (a step that does not
-  walk costs the shadows' advance only: not what walking costs). The
+  has no scheduler, so there the rows are priced serially. Only walking
+  steps' costs are averaged (a step that does not walk costs the shadows'
+  advance only: not what walking costs). The
   shadows' upkeep (advancing every shadow by the step's tokens, reading
   them) is priced per shadow, the walk per walked row: a step that walks
   a sample of the rows prices the walk on the sample, not on the batch.
