@@ -59,9 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--k", default="1,4,7")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--warmup", type=int, default=8,
-                    help="untimed steps first (the shipped choice alternates "
-                         "serial and threaded walks until three of each are "
-                         "kept: 8 walks; default 8)")
+                    help="untimed steps first (the shipped choice measures "
+                         "three serial and three threaded walks; default 8)")
     ap.add_argument("--schemas", type=int, default=64)
     ap.add_argument("--min-tokens", type=int, default=48)
     ap.add_argument("--drafter-accuracy", type=float, default=0.7)

@@ -55,9 +55,6 @@ CHUNK_ROWS = 24
 # PROBE_EVERY eligible steps.
 WINDOW = 5
 PROBE_EVERY = 100
-# Walks kept per mode before the choice is made; until then the modes
-# alternate (serial first).
-MEASURE = 3
 _CHOICE_ATTR = "_vllm_patch_parallel_rows_choice"
 # Backends whose row fill releases the GIL.
 PARALLEL_BACKENDS = frozenset({"XgrammarBackend"})
@@ -124,13 +121,8 @@ class Choice:
     The wall time per row of the last few serial and threaded walks; the
     cheaper mode runs, and every PROBE_EVERY-th eligible step runs the
     other once, so a change in the batch (longer documents, another
-    vocabulary's cost per row) is seen. Until MEASURE walks of each mode
-    are kept the modes alternate, serial first, so both are measured over
-    the same steps: measured one after the other (three serial walks, then
-    three threaded), the serial ones fell in the batch's first, slower
-    steps and made threads look 11-19 % cheaper per row at a 32k
-    vocabulary, B=256, k=4, where the steady state measured them 9-15 %
-    dearer than stock's serial walk (benchmarks/grammar_draft_cost.py).
+    vocabulary's cost per row) is seen. Serial first: a walk is threaded
+    only after two threaded walks measured cheaper per row than serial.
     Each mode's first walk is not kept: the first walk over new grammar
     states is slow in either mode (found: a cold serial walk made threads
     look cheaper at a 32k vocabulary, where they are 20 % dearer)."""
@@ -144,10 +136,10 @@ class Choice:
     def threaded(self) -> bool:
         self.steps += 1
         serial, threaded = self.per_row[False], self.per_row[True]
-        if len(serial) < MEASURE or len(threaded) < MEASURE:
-            # Measuring: the mode with fewer walks so far (serial on a tie).
-            return len(threaded) + self.seen[True] \
-                < len(serial) + self.seen[False]
+        if len(serial) < 2:
+            return False
+        if len(threaded) < 2:
+            return True
         best = statistics.median(threaded) < statistics.median(serial)
         return (not best) if self.steps % PROBE_EVERY == 0 else best
 
@@ -157,7 +149,7 @@ class Choice:
         until both modes are measured, or where threads are not cheaper
         (then the walk runs serially)."""
         serial, threaded = list(self.per_row[False]), list(self.per_row[True])
-        if len(serial) < MEASURE or len(threaded) < MEASURE:
+        if len(serial) < 2 or len(threaded) < 2:
             return 1.0
         s, t = statistics.median(serial), statistics.median(threaded)
         return min(1.0, t / s) if s > 0 else 1.0
