@@ -69,12 +69,19 @@ stock's figure on the steps its cost model kept stock.
     python benchmarks/grammar_draft_cost.py --vocabs tekken --json /tmp/c.json
     python benchmarks/grammar_draft_cost.py --profile               # hot spots
 
---verify-threads gives the patched lanes' scheduler vLLM's fill pool, so the
-package's threaded verification rows run (xgrammar, at least 128 rows);
-without it every lane fills its rows serially on the engine thread, and the
-projection prices them so. The verification is timed in wall time too
-(`verify_wall_ms`, projected as `wall_20ms`): meaningful on an idle machine
-only (the lock keeps other benchmarks off, not other work).
+Verification threads as vLLM would run them (--verify-threads auto, the
+default): the patched lanes' scheduler gets vLLM's fill pool where vLLM
+builds it (max_num_seqs > 128; max_num_seqs is B here), so the package's
+threaded verification rows run where its own measurements choose them
+(xgrammar, at least 128 rows); stock fills its rows serially. A threaded
+lane's row is priced at stock's cost per row times the lane's measured wall
+time per row over stock's (what the threads really cost here, the waits
+included); `verify_row_factor` keeps what the scheduler's own measurements
+claimed (threaded / serial wall per row), the price the drafting cost
+model reads. `on` / `off` give every cell the pool or none. The verification
+is timed in wall time too (`verify_wall_ms`, projected as `wall_20ms`):
+meaningful on an idle machine only (the lock keeps other benchmarks off,
+not other work).
 """
 
 from __future__ import annotations
@@ -146,14 +153,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the drafting path of a CPU device (lazy top-k) instead "
                          "of the accelerator's (top-k candidates up front)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--verify-threads", action="store_true",
-                    help="give the patched lanes' scheduler vLLM's fill pool "
-                         "(half the cores, at most 8; vLLM builds it when "
-                         "max_num_seqs > 128), so the package's threaded "
+    ap.add_argument("--verify-threads", choices=("auto", "on", "off"),
+                    default="auto", nargs="?", const="on",
+                    help="vLLM's fill pool (half the cores, at most 8) for the "
+                         "patched lanes' scheduler, so the package's threaded "
                          "verification rows run where its own measurements "
-                         "choose them (xgrammar, at least 128 rows); read "
-                         "the wall-time projection (`wall_20ms`, the table's "
-                         "last column) with it, under the lock")
+                         "choose them (xgrammar, at least 128 rows): auto "
+                         "(default) where vLLM builds the pool, max_num_seqs "
+                         "(= B here) > 128; on: every cell; off: none. The "
+                         "projection and the cost model price the rows at "
+                         "the measured threaded share (`verify_row_factor`)")
     ap.add_argument("--quick", action="store_true",
                     help="a few cells (32k xgrammar, k=4, B=1,8,32; 3 reps)")
     ap.add_argument("--profile", action="store_true",
@@ -224,7 +233,8 @@ class World:
             ("grammar_bitmask", "_fill_bitmasks", "validate_tokens")})
         self.managers = {}
         pool = None
-        if getattr(args, "verify_threads", False):
+        self.threads = getattr(args, "verify_threads", "auto")
+        if self.threads in ("auto", "on", True):
             from concurrent.futures import ThreadPoolExecutor
 
             pool = ThreadPoolExecutor(
@@ -238,9 +248,8 @@ class World:
             m._grammar_bitmask = None
             m._full_mask = torch.tensor(-1, dtype=torch.int32)
             m.fill_bitmask_parallel_threshold = 128
-            if pool is not None and mode != "stock":
-                m.executor_for_fillmask = pool
-                m.fill_bitmask_parallel_batch_size = 16
+            m.executor_for_fillmask = None
+            m.fill_bitmask_parallel_batch_size = 16
             m.tokenizer = self.tokenizer
             m._use_async_grammar_compilation = False
             self.managers[mode] = m
@@ -248,6 +257,7 @@ class World:
                 # The in-process executor: the drafter finds the scheduler's
                 # manager (as the patched __init__ registers it).
                 gd.MANAGERS.add(m)
+        self.pool = pool
         self.docs = self._documents(args)
         if not self.docs:
             raise LookupError(f"no instance compiles and validates with {kind}")
@@ -269,6 +279,15 @@ class World:
         m = self.managers[mode]
         m.vllm_config = cfg
         m._grammar_bitmask = None  # sized for (batch, k)
+        # vLLM builds its fill pool when max_num_seqs > 128 (stock never
+        # uses it with drafts); each cell measures its own threaded walk.
+        threads = self.threads in ("on", True) or (
+            self.threads == "auto" and batch > 128)
+        m.executor_for_fillmask = self.pool if threads and mode != "stock" \
+            else None
+        from vllm_patch.v1.structured_output import parallel_rows
+
+        m.__dict__.pop(parallel_rows._CHOICE_ATTR, None)
         return cfg
 
     def _documents(self, args: argparse.Namespace) -> list[tuple[str, list[int]]]:
@@ -709,6 +728,20 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
         if "on" in per[mode] and t is not None:
             med["on_share"] = statistics.fmean(per[mode]["on"])
             med["regime_last"] = t.cost.regime
+        # What a verification row costs the engine thread as a share of a
+        # serial one: the scheduler's own measured threaded / serial ratio
+        # where its walk runs threaded (the same price the cost model reads).
+        from vllm_patch.v1.structured_output import parallel_rows
+
+        med["verify_row_factor"] = 1.0 if mode == "stock" else \
+            parallel_rows.row_factor(lanes[mode].manager,
+                                     int(med.get("verify_rows", 0)))
+        # Threads where the package may walk the rows on them (xgrammar,
+        # the pool, the switch): a guidance lane's walk stays serial.
+        med["verify_threads"] = int(mode != "stock" and parallel_rows.wanted(
+            lanes[mode].manager, ["a", "b"]))
+        if t is not None and t.cost is not None:
+            med["cost_row_factor"] = t.cost.row_factor
         out["modes"][mode] = med
     return out
 
@@ -737,6 +770,21 @@ def _time_compiles() -> None:
 
 # ------------------------------------------------------------- projection
 
+def row_factor(m: dict[str, Any], stock: dict[str, Any]) -> float:
+    """What a verification row cost this lane's engine thread against a
+    row of stock's serial walk: where the lane's scheduler had vLLM's fill
+    pool, the measured wall time per row, the lane's over stock's (what
+    the threaded walk really cost, the waits for the fill threads
+    included; `verify_row_factor` is what the scheduler's own measurements
+    claimed, which the drafting cost model reads); 1 for a serial lane
+    (its rows are stock's work, priced at stock's cost per row)."""
+    if not m.get("verify_threads") or not m.get("verify_rows") \
+            or not stock.get("verify_rows") or not stock.get("verify_wall_ms"):
+        return 1.0
+    return (m["verify_wall_ms"] / m["verify_rows"]) \
+        / (stock["verify_wall_ms"] / stock["verify_rows"])
+
+
 def priced_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
     """Each mode's grammar CPU per step with its verification priced at
     stock's measured cost per bitmask row in the same cell, times the rows
@@ -749,8 +797,9 @@ def priced_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
     modes = cell["modes"]
     stock = modes["stock"]
     per_row = stock["verify_ms"] / max(stock.get("verify_rows", 0.0), 1.0)
-    return {mode: (per_row * m["verify_rows"] if "verify_rows" in m
-                   else m["verify_ms"]) + m.get("draft_cpu_ms", 0.0)
+    return {mode: (per_row * row_factor(m, stock) * m["verify_rows"]
+                   if "verify_rows" in m else m["verify_ms"])
+            + m.get("draft_cpu_ms", 0.0)
             for mode, m in modes.items()}
 
 
@@ -773,7 +822,8 @@ def modelled_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
         per_row = stock["verify_ms"] / max(stock["verify_rows"], 1.0)
         rows = stock["verify_rows"] + share * (always["verify_rows"]
                                                - stock["verify_rows"])
-        priced["default"] = per_row * rows + default.get("draft_cpu_ms", 0.0)
+        priced["default"] = per_row * row_factor(default, stock) \
+            * rows + default.get("draft_cpu_ms", 0.0)
     return priced
 
 
@@ -843,8 +893,9 @@ def table(cells: list[dict[str, Any]]) -> str:
             "default (on share) | total grammar CPU: always vs stock | "
             "h2d KB always | syncs | projected tok/s vs stock @20 ms, EAGLE: "
             "always / default | perfect: always / default | "
-            "EAGLE from wall times: always / default |")
-    lines = [head, "|" + "---|" * 14]
+            "EAGLE from wall times: always / default | "
+            "row price vs stock's, default: measured / the scheduler's |")
+    lines = [head, "|" + "---|" * 15]
     for c in cells:
         m = c["modes"]
         s, a, d = m["stock"], m["always"], m["default"]
@@ -860,7 +911,8 @@ def table(cells: list[dict[str, Any]]) -> str:
             f"{p['eagle']['always']:.2f}x / {p['eagle']['default']:.2f}x | "
             f"{p['perfect']['always']:.2f}x / {p['perfect']['default']:.2f}x | "
             + (f"{w['eagle']['always']:.2f}x / {w['eagle']['default']:.2f}x |"
-               if (w := c["projection"].get("wall_20ms")) else "- |"))
+               if (w := c["projection"].get("wall_20ms")) else "- |")
+            + f" {row_factor(d, s):.2f} / {d.get('verify_row_factor', 1.0):.2f} |")
     return "\n".join(lines)
 
 

@@ -23,7 +23,8 @@ class Clock:
 
 def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
            tokens: int, rows: int, host_us_per_row: float,
-           gain_per_row: float, extra_rows_per_row: float = 0.0) -> list[int]:
+           gain_per_row: float, extra_rows_per_row: float = 0.0,
+           row_factor: float = 1.0) -> list[int]:
     """n steps of a batch: decide, spend host time on the rows that walk,
     then observe (`extra_rows_per_row`: verification rows the walk adds per
     walked row). Returns the rows walked per step (0: none)."""
@@ -38,7 +39,7 @@ def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
         cost.host_ns += int(walked * host_us_per_row * 1e3)
         clock.now += int(step_ms * 1e6)
         cost.observe(tokens, int(round(walked * gain_per_row)),
-                     int(round(walked * extra_rows_per_row)))
+                     int(round(walked * extra_rows_per_row)), row_factor)
     return out
 
 
@@ -172,6 +173,29 @@ def test_verification_rows_are_charged(monkeypatch):
     on = _steps(priced, clock, 40, step_ms=20, tokens=512, rows=256,
                 host_us_per_row=2, gain_per_row=0.2, extra_rows_per_row=2.0)
     assert on[0] and not on[-1] and priced.regime in ("off", "dormant")
+
+
+def test_threaded_verification_rows_are_charged_at_their_share(monkeypatch):
+    """B=256, cheap hooks (2 us per row in a 20 ms step), +0.2 tokens per
+    row (+10 %), half a verification row more per request at 20 us a
+    fill: priced as serial fills, +15 % step time, off. Where the
+    scheduler walks its rows on vLLM's fill threads and measured a row
+    there at 0.3 of a serial one: +6.4 %, on."""
+    clock = Clock(monkeypatch)
+    threaded = dc.DraftCost(enabled=True, sync_ns=0.0)
+    threaded.fill_sample(20e3)
+    on = _steps(threaded, clock, 40, step_ms=20, tokens=512, rows=256,
+                host_us_per_row=2, gain_per_row=0.2, extra_rows_per_row=0.5,
+                row_factor=0.3)
+    assert all(on) and threaded.regime == "on"
+    assert threaded.snapshot()["row_factor"] == 0.3
+    gain, cost = threaded.expected(256, 4)
+    assert cost < gain
+    serial = dc.DraftCost(enabled=True, sync_ns=0.0)
+    serial.fill_sample(20e3)
+    on = _steps(serial, clock, 40, step_ms=20, tokens=512, rows=256,
+                host_us_per_row=2, gain_per_row=0.2, extra_rows_per_row=0.5)
+    assert not on[-1] and serial.regime in ("off", "dormant")
 
 
 def test_row_fill_sampled_on_walking_steps():

@@ -128,6 +128,81 @@ def test_threaded_rows_equal_serial_rows(patched, native, async_, monkeypatch):
         assert used == 0  # stock: with drafts, never on the pool
 
 
+def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch):
+    """The price grammar-aware drafting puts on a verification row its
+    drafts add: the scheduler's own measured ratio of the wall time per row
+    threaded to serial, read from the scheduler's manager (in-process
+    executor), where its walk would be threaded; 1.0 (a serial fill)
+    where it would not (too few rows, switched off) or where the drafter
+    cannot know (a multiprocess worker's own manager). Stock: vLLM's walk
+    measures nothing and never uses the pool with drafts: the price stays
+    a serial fill's."""
+    import statistics
+
+    from vllm_patch.testing.harness import Harness
+    from vllm_patch.v1.spec_decode import grammar_drafts as gd
+    from vllm_patch.v1.structured_output import parallel_rows as pr
+
+    h = Harness("xgrammar", num_spec_tokens=3, max_num_seqs=192,
+                num_blocks=512, max_num_batched_tokens=4096)
+    manager = h.scheduler.structured_output_manager
+    assert manager.executor_for_fillmask is not None  # vLLM made its pool
+    rids, drafts, a = _batch(h, 64)
+    h.step({r: [a] for r in rids}, drafts=drafts)
+    so = h.schedule()
+    spec = so.scheduled_spec_decode_tokens
+    ids = [r for r in rids if r in so.num_scheduled_tokens]
+    rows = sum(1 + len(spec.get(r, ())) for r in ids)
+    assert rows >= pr.MIN_ROWS
+    calls = _spy_pool(manager)
+    for _ in range(8):  # the scheduler's walks of one step, measured
+        manager.grammar_bitmask(h.requests, ids, spec)
+    bound = gd.Tracker(masked=True, forced=True)
+    bound.manager_ref = __import__("weakref").ref(manager)
+    local = gd.Tracker(masked=True, forced=True)
+    local.local_manager = manager  # a worker's own: not the scheduler's
+    local.manager_ref = bound.manager_ref
+    choice = getattr(manager, pr._CHOICE_ATTR, None)
+    if not patched:
+        assert choice is None and not calls  # nothing measured, no pool
+        assert pr.row_factor(manager, rows) == 1.0
+        assert gd._verify_row_factor(bound, rows) == 1.0
+        return
+    serial, threaded = choice.per_row[False], choice.per_row[True]
+    assert len(serial) >= 2 and len(threaded) >= 2 and calls
+    want = min(1.0, statistics.median(threaded) / statistics.median(serial))
+    assert pr.row_factor(manager, rows) == pytest.approx(want)
+    assert gd._verify_row_factor(bound, rows) == pytest.approx(want)
+    # Where the scheduler's walk is serial, or the drafter cannot know it.
+    assert gd._verify_row_factor(local, rows) == 1.0
+    assert pr.row_factor(manager, pr.MIN_ROWS - 1) == 1.0
+    monkeypatch.setenv("VLLM_PATCH_PARALLEL_VERIFY", "0")
+    assert pr.row_factor(manager, rows) == 1.0
+    monkeypatch.delenv("VLLM_PATCH_PARALLEL_VERIFY")
+    # Threads measured 2.5x cheaper per row: a row costs 0.4 of a serial
+    # fill; measured dearer: the walk stays serial, a serial fill's price.
+    choice.per_row[False].extend([100.0] * 5)
+    choice.per_row[True].extend([40.0] * 5)
+    assert gd._verify_row_factor(bound, rows) == pytest.approx(0.4)
+    choice.per_row[True].extend([130.0] * 5)
+    assert gd._verify_row_factor(bound, rows) == 1.0
+
+
+@pytest.mark.patched_only
+def test_choice_ratio():
+    from vllm_patch.v1.structured_output.parallel_rows import Choice
+
+    c = Choice()
+    assert c.ratio() == 1.0  # nothing measured
+    for t, ns in [(False, 0), (False, 3000), (False, 3000), (True, 0),
+                  (True, 1000)]:
+        c.record(t, ns, 10)
+    assert c.ratio() == 1.0  # one threaded walk kept: not measured twice
+    c.record(True, 1000, 10)
+    assert c.ratio() == pytest.approx(1 / 3)
+    assert c.threaded() is True and c.ratio() == pytest.approx(1 / 3)
+
+
 @pytest.mark.patched_only
 def test_choice_measures_serial_first_then_keeps_the_cheaper():
     from vllm_patch.v1.structured_output.parallel_rows import PROBE_EVERY, Choice

@@ -20,11 +20,18 @@ Both sides are measured on the running worker, per step of its drafter:
   verification rows the walk adds to the scheduler's work: stock's
   scheduler cuts a request's drafts at the first one its grammar refuses,
   so the drafts handed over after the first changed position each get a
-  bitmask row (filled one after another on the engine thread) that stock
-  would not fill; priced at one row fill of a shadow, measured every
-  `FILL_SAMPLE_EVERY` walking steps (the same grammar, the same
-  vocabulary). Only walking steps' costs are averaged (a step that does not
-  walk costs the shadows' advance only: not what walking costs). The
+  bitmask row that stock would not fill; priced at one row fill of a
+  shadow, measured every `FILL_SAMPLE_EVERY` walking steps (the same
+  grammar, the same vocabulary), times what a row costs the engine thread
+  as a share of a serial fill: 1 where the scheduler fills its rows one
+  after another on the engine thread; where it walks them on vLLM's fill
+  threads (`parallel_rows`: xgrammar, vLLM's fill pool, enough rows, and
+  its own measurements chose threads) the ratio of the wall time per row
+  it measured threaded to serial. Only the in-process executor can read
+  that (the scheduler's manager is in this process); a multiprocess worker
+  has no scheduler, so there the rows are priced serially. Only walking
+  steps' costs are averaged (a step that does not walk costs the shadows'
+  advance only: not what walking costs). The
   shadows' upkeep (advancing every shadow by the step's tokens, reading
   them) is priced per shadow, the walk per walked row: a step that walks
   a sample of the rows prices the walk on the sample, not on the batch.
@@ -119,6 +126,12 @@ class DraftCost:
     gain_per_row: float | None = None
     # One verification row's fill (a shadow's, timed now and then).
     row_fill_ns: float | None = None
+    # What an added verification row costs the engine thread as a share of
+    # a serial row fill: below 1 where the scheduler's walk runs on vLLM's
+    # fill threads and measured them cheaper (parallel_rows.row_factor);
+    # 1 where it is serial or this process cannot know (multiprocess
+    # workers: the scheduler and its measurements are in another process).
+    row_factor: float = 1.0
     walked_steps: int = 0
     cost_samples: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
     step_samples: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
@@ -166,13 +179,16 @@ class DraftCost:
         self.row_fill_ns = statistics.median_low(self.fill_samples)
 
     def observe(self, batch_tokens: int, gain_tokens: int,
-                extra_rows: int = 0) -> None:
+                extra_rows: int = 0, row_factor: float = 1.0) -> None:
         """At a step's advance: what the previous step's drafting cost (its
         rows: those `decide` was asked about) and gained (the accepted
         drafts this step verified, counted by the caller); `extra_rows`:
         the drafts it handed over after the first changed position (the
-        scheduler's verification rows stock would not have filled)."""
+        scheduler's verification rows stock would not have filled);
+        `row_factor`: what such a row costs the engine thread as a share of
+        a serial row fill (the scheduler's threaded walk, measured there)."""
         self.step += 1
+        self.row_factor = min(1.0, max(0.0, row_factor))
         now = time.perf_counter_ns()
         if self.last_step_at is not None:
             self.step_ns = _median(self.step_samples,
@@ -184,7 +200,7 @@ class DraftCost:
         if self.rows > 0 and self.walked:
             upkeep = min(self.upkeep_ns, self.host_ns)
             walk = self.host_ns - upkeep + self.syncs * self.sync_ns \
-                + extra_rows * (self.row_fill_ns or 0.0)
+                + extra_rows * (self.row_fill_ns or 0.0) * self.row_factor
             shadows = max(self.upkeep_shadows, self.rows)
             self.cost_samples.append(walk / self.rows + upkeep / shadows)
             self.cost_per_row_ns = statistics.median_low(self.cost_samples)
@@ -299,6 +315,7 @@ class DraftCost:
                 else round(self.cost_per_row_ns / 1e3, 1),
                 "row_fill_us": None if self.row_fill_ns is None
                 else round(self.row_fill_ns / 1e3, 1),
+                "row_factor": round(self.row_factor, 3),
                 "step_ms": None if self.step_ns is None
                 else round(self.step_ns / 1e6, 2)}
 

@@ -693,6 +693,9 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     if last_walk and t.forced_choice is not None:
         t.forced_choice.tick()
     batch_tokens = gain = extra_rows = 0
+    # The scheduler's verification rows of the last step (a lower bound:
+    # one per structured request, plus the drafts the walk handed over).
+    verify_rows = 0
     # Shadows to advance, and by what: all of them in batched calls below.
     todo: list[tuple[str, Shadow, list[int]]] = []
     for i, req_id in enumerate(req_ids):
@@ -733,6 +736,7 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
             # the first changed position: stock would have rejected there.
             accepted = max(0, len(tokens) - 1)
             walk = last_walk.get(req_id)
+            verify_rows += 1 + (walk[2] if walk is not None else 0)
             if req_id in changed:
                 gain += max(0, accepted - changed[req_id])
                 if walk is not None:
@@ -773,7 +777,8 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
         t.lost.add(req_id)
         t.stats["shadows_lost"] += 1
     t.stats["gain_tokens"] += gain
-    t.cost.observe(batch_tokens, gain, extra_rows)
+    t.cost.observe(batch_tokens, gain, extra_rows,
+                   _verify_row_factor(t, verify_rows) if extra_rows else 1.0)
     t.cost.charge(t0, upkeep=True)
     t.cost.upkept(len(t.shadows))
 
@@ -901,6 +906,29 @@ def end(drafter: Any) -> None:
     t.pending = None
     t.batch_req_ids = []
     t.cost.charge(t0)
+
+
+def _verify_row_factor(t: Tracker, rows: int) -> float:
+    """What a verification row the walk adds costs the scheduler's engine
+    thread, as a share of a serial row fill: the scheduler's own measured
+    ratio where it walks `rows` rows on vLLM's fill threads
+    (`parallel_rows.row_factor`). Only with the in-process executor, whose
+    scheduler's manager is in this process; a multiprocess worker's own
+    manager is not the scheduler's (it verifies nothing and measures no
+    walk), so there a row is priced as a serial fill: 1.0."""
+    if t.local_manager is not None or t.manager_ref is None:
+        return 1.0
+    manager = t.manager_ref()
+    if manager is None:
+        return 1.0
+    from vllm_patch.v1.structured_output import parallel_rows
+
+    try:
+        return parallel_rows.row_factor(manager, rows)
+    except Exception:  # noqa: BLE001 - a price estimate, never a failure
+        logger.debug("vllm_patch: threaded verification price not read",
+                     exc_info=True)
+        return 1.0
 
 
 def _time_row_fill(t: Tracker, shadow: Shadow) -> bool:

@@ -143,6 +143,17 @@ class Choice:
         best = statistics.median(threaded) < statistics.median(serial)
         return (not best) if self.steps % PROBE_EVERY == 0 else best
 
+    def ratio(self) -> float:
+        """The wall time per row of a threaded walk as a share of a serial
+        one, from the measured walks (no side effect on the choice): 1.0
+        until both modes are measured, or where threads are not cheaper
+        (then the walk runs serially)."""
+        serial, threaded = list(self.per_row[False]), list(self.per_row[True])
+        if len(serial) < 2 or len(threaded) < 2:
+            return 1.0
+        s, t = statistics.median(serial), statistics.median(threaded)
+        return min(1.0, t / s) if s > 0 else 1.0
+
     def record(self, threaded: bool, ns: int, rows: int) -> None:
         if not self.seen[threaded]:
             self.seen[threaded] = True
@@ -165,6 +176,25 @@ def wanted(manager: Any, ids: list[str]) -> bool:
     if type(manager.backend).__name__ not in PARALLEL_BACKENDS:
         return False
     return envs.settings().parallel_verify
+
+
+def row_factor(manager: Any, rows: int) -> float:
+    """What a verification row costs this manager's engine thread, as a
+    share of a row of the serial walk: where a walk of `rows` rows would
+    be threaded (the gates of `wanted` and `plan`, and the manager's own
+    measurements in `Choice`: threads measured cheaper), the measured ratio
+    of the wall time per row threaded to serial; 1.0 everywhere else
+    (serial, or not measured yet). Grammar-aware drafting prices the rows
+    its drafts add to the scheduler's walk with it (in-process executor:
+    the drafter's process holds the scheduler's manager)."""
+    if manager is None or rows < MIN_ROWS or lanes(manager) < 2:
+        return 1.0
+    if type(getattr(manager, "backend", None)).__name__ not in PARALLEL_BACKENDS:
+        return 1.0
+    if not envs.settings().parallel_verify:
+        return 1.0
+    c = getattr(manager, _CHOICE_ATTR, None)
+    return 1.0 if c is None else c.ratio()
 
 
 def walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
