@@ -68,6 +68,9 @@ def test_threaded_rows_equal_serial_rows(patched, native, async_, monkeypatch):
             return True
 
     setattr(manager, parallel_rows._CHOICE_ATTR, Always())
+    # The tiny model's vocabulary is under the threads' vocabulary gate
+    # (test_plan_and_gates); opened here, the walk under test is the same.
+    monkeypatch.setattr(parallel_rows, "MIN_VOCAB", 0)
     rids, drafts, a = _batch(h, 64)
     if async_:
         h.launch()
@@ -155,6 +158,13 @@ def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch):
     rows = sum(1 + len(spec.get(r, ())) for r in ids)
     assert rows >= pr.MIN_ROWS
     calls = _spy_pool(manager)
+    # The tiny vocabulary is under the vocabulary gate: serial walks,
+    # nothing measured, a serial fill's price.
+    for _ in range(4):
+        manager.grammar_bitmask(h.requests, ids, spec)
+    assert getattr(manager, pr._CHOICE_ATTR, None) is None and not calls
+    assert pr.row_factor(manager, rows) == 1.0
+    monkeypatch.setattr(pr, "MIN_VOCAB", 0)  # opened: the pricing
     for _ in range(8):  # the scheduler's walks of one step, measured
         manager.grammar_bitmask(h.requests, ids, spec)
     bound = gd.Tracker(masked=True, forced=True)
@@ -244,11 +254,22 @@ def test_plan_and_gates():
     assert all(lo < hi for lo, hi in ranges)
     assert all(r[1] == n[0] for r, n in zip(ranges, ranges[1:]))  # contiguous
     assert len(ranges) > 2
-    guidance = SimpleNamespace(backend=type("GuidanceBackend", (), {})(),
-                               executor_for_fillmask=SimpleNamespace(_max_workers=4))
-    assert not pr.wanted(guidance, ["a", "b"])  # its fill holds the GIL
-    no_pool = SimpleNamespace(backend=type("XgrammarBackend", (), {})())
-    assert pr.lanes(no_pool) == 1 and not pr.wanted(no_pool, ["a", "b"])
+    pool = SimpleNamespace(_max_workers=4)
+
+    def manager(kind, vocab, executor=pool):
+        return SimpleNamespace(backend=type(kind, (), {"vocab_size": vocab})(),
+                               executor_for_fillmask=executor)
+
+    ids = ["a", "b"]
+    assert pr.wanted(manager("XgrammarBackend", 131072), ids)
+    assert pr.wanted(manager("XgrammarBackend", pr.MIN_VOCAB), ids)
+    # Its fill holds the GIL.
+    assert not pr.wanted(manager("GuidanceBackend", 131072), ids)
+    # A 32k vocabulary's fills are too short for threads to pay.
+    assert not pr.wanted(manager("XgrammarBackend", 32768), ids)
+    assert pr.row_factor(manager("XgrammarBackend", 32768), 1024) == 1.0
+    no_pool = manager("XgrammarBackend", 131072, None)
+    assert pr.lanes(no_pool) == 1 and not pr.wanted(no_pool, ids)
 
 
 @pytest.mark.patched_only
@@ -274,7 +295,8 @@ def test_an_error_in_a_chunk_is_raised_after_every_chunk_ended():
             ended.extend(ids)
 
     pool = ThreadPoolExecutor(max_workers=2)
-    m = SimpleNamespace(backend=type("XgrammarBackend", (), {})(),
+    m = SimpleNamespace(backend=type("XgrammarBackend", (),
+                                     {"vocab_size": 131072})(),
                         executor_for_fillmask=pool,
                         _grammar_bitmask=torch.zeros(1024, 4, dtype=torch.int32),
                         vllm_config=SimpleNamespace(num_speculative_tokens=4))

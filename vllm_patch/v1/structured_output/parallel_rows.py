@@ -22,11 +22,11 @@ Threads pay only where a row's fill (xgrammar releases the GIL while it
 fills) outweighs the Python around it, which holds the GIL: measured on two
 lanes, 1.4-1.6x at a 131k vocabulary and B >= 128, nothing at 32k, a loss
 below about 128 rows. So the walk is threaded only with xgrammar
-(llguidance's single-row fill measured no gain), vLLM's fill pool present
-(it exists when `max_num_seqs` > 128), at least MIN_ROWS rows, and where
-the manager's own measurements (`Choice`: wall time per row, serial against
-threaded) say threads are cheaper. `VLLM_PATCH_PARALLEL_VERIFY=0` keeps
-the serial walk.
+(llguidance's single-row fill measured no gain), a vocabulary of at least
+MIN_VOCAB tokens, vLLM's fill pool present (it exists when `max_num_seqs`
+> 128), at least MIN_ROWS rows, and where the manager's own measurements
+(`Choice`: wall time per row, serial against threaded) say threads are
+cheaper. `VLLM_PATCH_PARALLEL_VERIFY=0` keeps the serial walk.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ from vllm_patch.patching import Patch
 MIN_ROWS = 128
 # Rows per unit of work a lane takes at a time.
 CHUNK_ROWS = 24
+# Smaller vocabularies stay serial. A row's fill grows with the vocabulary
+# (one bit per token); below this it is too short for threads to pay for
+# what they cost the step, and the walk's own timing does not see that
+# cost: at 32k tokens (B=256, k=4, two lanes) the scheduler measured its
+# threaded walk at 0.81-0.89 of serial per row while the step's
+# verification took 1.08-1.15x stock's wall time per row
+# (benchmarks/grammar_draft_cost.py, three runs); at 131k threads paid
+# 1.5-1.7x in every cell from 128 rows (benchmarks/verify_rows_parallel.py).
+MIN_VOCAB = 65536
 # Walks per mode the choice remembers; one probe of the other mode every
 # PROBE_EVERY eligible steps.
 WINDOW = 5
@@ -169,11 +178,18 @@ def choice(manager: Any) -> Choice:
     return c
 
 
+def _backend_pays(backend: Any) -> bool:
+    """A backend whose row fill releases the GIL, and a vocabulary large
+    enough for its fills to pay on threads."""
+    return (type(backend).__name__ in PARALLEL_BACKENDS
+            and (getattr(backend, "vocab_size", 0) or 0) >= MIN_VOCAB)
+
+
 def wanted(manager: Any, ids: list[str]) -> bool:
     """Whether this walk may run on threads at all."""
     if len(ids) < 2 or lanes(manager) < 2:
         return False
-    if type(manager.backend).__name__ not in PARALLEL_BACKENDS:
+    if not _backend_pays(manager.backend):
         return False
     return envs.settings().parallel_verify
 
@@ -189,7 +205,7 @@ def row_factor(manager: Any, rows: int) -> float:
     the drafter's process holds the scheduler's manager)."""
     if manager is None or rows < MIN_ROWS or lanes(manager) < 2:
         return 1.0
-    if type(getattr(manager, "backend", None)).__name__ not in PARALLEL_BACKENDS:
+    if not _backend_pays(getattr(manager, "backend", None)):
         return 1.0
     if not envs.settings().parallel_verify:
         return 1.0
@@ -297,7 +313,8 @@ PATCHES: list[Patch] = [
         why=("with drafts, vLLM fills every structured request's bitmask rows "
              "on the engine thread (B x (k+1) fills per step, about 57 ms at "
              "B=256, k=4, a 131k vocabulary), its fill pool unused"),
-        how=("a large xgrammar batch is walked in contiguous request chunks "
+        how=("a large xgrammar batch (a vocabulary of 64k tokens or more) is "
+             "walked in contiguous request chunks "
              "by vLLM's own grammar_bitmask, on the engine thread and vLLM's "
              "fill threads, where the manager's measurements say that is "
              "faster; the same rows as one serial walk "
