@@ -29,9 +29,10 @@ run copies the venv).
                     series     the patched vLLM build (vllm-patch build-vllm) installed
                                into its own environment without the plugin: the tests
                                the patch series adds to vLLM, the scheduler tier and
-                               the G2 / G3 engine tests with the plugin off, the 0.33
-                               wheel installed (0.32; runs once, with the patched
-                               runs: it checks both builds itself)
+                               the G2 / G3 / G4 engine tests with the plugin off
+                               (G4: the NIXL P/D pair), the 0.33 wheel installed
+                               (0.32; runs once, with the patched runs: it checks
+                               both builds itself)
   --no-setup      skip scripts/setup.sh (the venv and the 0.33 tree must exist)
   -h, --help      this text
 
