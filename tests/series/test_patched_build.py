@@ -361,9 +361,19 @@ def test_status_reads_native_with_the_plugin_installed(env):
     # G3's rows in it) pass, as on the release with the plugin.
     assert g3_tests.returncode == 0, g3_tests.stdout[-4000:] + g3_tests.stderr[-2000:]
     summary = g3_tests.stdout.strip().splitlines()[-1]
-    # Skipped: the stop-on-termination opt-out's test (no effect on a build
-    # that carries G2).
-    assert re.match(r"20 passed, 1 skipped", summary), summary
+    # Every test of the two files ran; skipped: the stop-on-termination
+    # opt-out's test alone (no effect on a build that carries G2).
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
+         "no:cacheprovider", "-m", "scheduler",
+         "tests/v1/structured_output/test_g3_bitmask_rows.py",
+         "tests/v1/structured_output/test_parallel_rows.py"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    total = int(re.search(r"(\d+)(?:/\d+)? tests? collected",
+                          collected.stdout).group(1))
+    assert total >= 20, collected.stdout[-2000:]
+    assert re.match(rf"{total - 1} passed, 1 skipped", summary), (
+        total, summary)
     assert not series_env.has_plugin(env)  # removed again
 
 
