@@ -22,8 +22,9 @@ once per row, in row order, per request):
 
 The walk's state per request (its grammar, the last row, whether it was
 constrained, whether the grammar had ended when the walk reached it) is
-kept per thread: the threaded walk (`parallel_rows`, its own patch on
-`grammar_bitmask`) runs requests side by side, each request on one thread.
+kept on the manager object that walks: the threaded walk (`parallel_rows`,
+its own patch on `grammar_bitmask`) runs requests side by side, each chunk
+of requests on one thread and its own shallow copy of the manager.
 Working per row keeps this patch independent of the row layout (0.32 packs
 1 + len(drafts) rows per request, 0.33 gives k + 1) and of who walks the
 rows: on a vLLM build that fills these rows itself (the patch series) this
@@ -36,7 +37,6 @@ and steps without drafts take the stock path.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -89,17 +89,16 @@ def fill_stop_row(bitmask: Any, index: int, grammar: Any) -> None:
         bitmask[index].fill_(-1)
 
 
-class _Walk(threading.local):
-    """The row walk this thread is in, one tuple (read and written once per
-    row: a thread-local attribute access is not free): the request's
-    grammar, its last row (bitmask tensor and index), whether that row was
-    constrained, and whether the grammar had already ended when the walk
-    reached it."""
-
-    state: tuple[Any, Any, int, bool, bool] = (None, None, -1, False, False)
-
-
-_WALK = _Walk()
+# The row walk a manager is in, one tuple in the manager's own __dict__
+# (read and written once per row): the request's grammar, its last row
+# (bitmask tensor and index), whether that row was constrained, and whether
+# the grammar had already ended when the walk reached it. One walker per
+# manager object: the engine thread walks the manager, and each chunk of
+# the threaded walk (`parallel_rows`) is walked by one thread on its own
+# shallow copy of it, whose bitmask is another tensor (so a copied state
+# never continues a walk).
+_STATE_ATTR = "_vllm_patch_g3_rows_walk"
+_NO_WALK: tuple[Any, Any, int, bool, bool] = (None, None, -1, False, False)
 # Whether a manager's steps have drafts (its configuration's speculative
 # tokens, not a diffusion model): read once per manager, not per row.
 _SPEC_ATTR = "_vllm_patch_g3_rows_spec"
@@ -107,29 +106,32 @@ _SPEC_ATTR = "_vllm_patch_g3_rows_spec"
 
 def _make_fill_bitmasks(original: Any) -> Any:
     def _fill_bitmasks(self: Any, batch: Any) -> None:
-        spec = self.__dict__.get(_SPEC_ATTR)
+        d = self.__dict__
+        spec = d.get(_SPEC_ATTR)
         if spec is None:
             vc = self.vllm_config
-            spec = self.__dict__[_SPEC_ATTR] = bool(
+            spec = d[_SPEC_ATTR] = bool(
                 vc.num_speculative_tokens and not vc.model_config.is_diffusion)
         if not spec:
             return original(self, batch)
-        if not isinstance(batch, list):
+        if type(batch) is not tuple and type(batch) is not list:
             batch = list(batch)
         if len(batch) != 1:
             # Not the speculative walk (it fills one row per call).
-            _WALK.state = _Walk.state
+            d[_STATE_ATTR] = _NO_WALK
             return original(self, batch)
-        grammar, index, apply_bitmask = batch[0][:3]
+        entry = batch[0]
+        grammar = entry[0]
+        index = entry[1]
         bitmask = self._grammar_bitmask
         last_grammar, last_bitmask, last_index, constrained, ended_at_start = \
-            _WALK.state
+            d.get(_STATE_ATTR, _NO_WALK)
         same_walk = (last_grammar is grammar and last_bitmask is bitmask
                      and index == last_index + 1)
         if not same_walk:
             # The request's first row: nothing of this step accepted yet.
             ended_at_start = grammar.is_terminated()
-        if apply_bitmask:
+        if entry[2]:
             # Stock's constrained row (inline: one call less per row), but
             # a grammar that ended during this walk gets its stop-token row.
             if not grammar.is_terminated():
@@ -138,15 +140,16 @@ def _make_fill_bitmasks(original: Any) -> Any:
                 fill_stop_row(bitmask, index, grammar)
             else:  # ended before the walk: stock's row
                 original(self, batch)
+            d[_STATE_ATTR] = (grammar, bitmask, index, True, ended_at_start)
         elif same_walk and constrained:
             # Unconstrained after a constrained row of the same request:
-            # after its first -1 draft. Repeat the row before.
+            # after its first -1 draft. Repeat the row before; what the
+            # next row repeats is constrained.
             bitmask[index].copy_(bitmask[index - 1])
-            apply_bitmask = True  # what the next row repeats is constrained
+            d[_STATE_ATTR] = (grammar, bitmask, index, True, ended_at_start)
         else:
             original(self, batch)
-        _WALK.state = (grammar, bitmask, index, bool(apply_bitmask),
-                       ended_at_start)
+            d[_STATE_ATTR] = (grammar, bitmask, index, False, ended_at_start)
 
     return _fill_bitmasks
 
