@@ -14,7 +14,7 @@ vLLM 0.33.0 (its Python package on PYTHONPATH; its CUDA build cannot run on a
 CPU, so only the tiers that need no engine run there), each twice: patched,
 and stock (VLLM_PATCH_DISABLE=1), where every guarantee test must observe the
 failure the patch removes. With no option it runs everything, as CI does
-(about 50 minutes on 2 cores, the series tier's 7-9 included; its first
+(about 50 minutes on 2 cores, the series tier's 10-12 included; its first
 run copies the venv).
 
   --vllm V        only vLLM V (0.32 or 0.33); default: both
