@@ -178,20 +178,23 @@ def choice(manager: Any) -> Choice:
     return c
 
 
-def _backend_pays(backend: Any) -> bool:
-    """A backend whose row fill releases the GIL, and a vocabulary large
-    enough for its fills to pay on threads."""
-    return (type(backend).__name__ in PARALLEL_BACKENDS
-            and (getattr(backend, "vocab_size", 0) or 0) >= MIN_VOCAB)
+def _may_thread(manager: Any) -> bool:
+    """The gates of a threaded walk that do not depend on the step: vLLM's
+    fill pool present, a backend whose row fill releases the GIL, a
+    vocabulary large enough for its fills to pay on threads, the switch."""
+    if lanes(manager) < 2:
+        return False
+    backend = getattr(manager, "backend", None)
+    if type(backend).__name__ not in PARALLEL_BACKENDS:
+        return False
+    if (getattr(backend, "vocab_size", 0) or 0) < MIN_VOCAB:
+        return False
+    return envs.settings().parallel_verify
 
 
 def wanted(manager: Any, ids: list[str]) -> bool:
     """Whether this walk may run on threads at all."""
-    if len(ids) < 2 or lanes(manager) < 2:
-        return False
-    if not _backend_pays(manager.backend):
-        return False
-    return envs.settings().parallel_verify
+    return len(ids) >= 2 and _may_thread(manager)
 
 
 def row_factor(manager: Any, rows: int) -> float:
@@ -203,11 +206,7 @@ def row_factor(manager: Any, rows: int) -> float:
     (serial, or not measured yet). Grammar-aware drafting prices the rows
     its drafts add to the scheduler's walk with it (in-process executor:
     the drafter's process holds the scheduler's manager)."""
-    if manager is None or rows < MIN_ROWS or lanes(manager) < 2:
-        return 1.0
-    if not _backend_pays(getattr(manager, "backend", None)):
-        return 1.0
-    if not envs.settings().parallel_verify:
+    if manager is None or rows < MIN_ROWS or not _may_thread(manager):
         return 1.0
     c = getattr(manager, _CHOICE_ATTR, None)
     return 1.0 if c is None else c.ratio()
