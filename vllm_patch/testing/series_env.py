@@ -218,6 +218,15 @@ def series_tests(version: str) -> list[str]:
                 if ctx:
                     names.add(ctx.group(1))
                 names.update(added)
+                # A change below a test's def line in the hunk's context (the
+                # @@ header then names the function before it).
+                test = None
+                for ln in lines.splitlines():
+                    m = re.match(r"[ +\-](?:async )?def (test_\w+)", ln)
+                    if m:
+                        test = m.group(1)
+                    elif ln[:1] in "+-" and test:
+                        names.add(test)
                 if not ctx and not added:
                     names.add("")  # outside a test: the whole file
             if "" in names:
