@@ -727,6 +727,12 @@ def apply_all(settings: envs.Settings) -> list[Outcome]:
             "vllm_patch: VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 is ignored "
             "for G2 on this vLLM build: the build's own scheduler stops at "
             "the grammar's end (patch series); G2 stays enforced")
+    if settings.nixl_cpu_core_in_bind is False \
+            and "cpu-nixl-kv-core-in-bind" in _native_ids():
+        _warn_once(
+            "vllm_patch: VLLM_PATCH_NIXL_CPU_CORE_IN_BIND=0 is ignored on this "
+            "vLLM build: the build itself keeps NixlConnector's KV-transfer "
+            "core within VLLM_CPU_OMP_THREADS_BIND (patch series)")
     for gid in NON_GUARANTEE_IDS:  # one line per kind, not per patch
         failures = _failures(gid)
         if failures:

@@ -188,6 +188,30 @@ def test_nixl_kv_lease_set_unless_the_user_sets_it():
         "kv_connector_extra_config"]
 
 
+def test_nixl_core_fix_read_from_each_servers_switches(monkeypatch):
+    """Whether the NIXL transfer-core fix runs in a server (the launcher warns
+    for NixlConnector servers sharing a host without it): its own switch,
+    else on unless VLLM_PATCH_DISABLE=1; a patched vLLM build carries it
+    whatever the switches say."""
+    from vllm_patch import series
+
+    monkeypatch.delenv("VLLM_PATCH_DISABLE", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_NIXL_CPU_CORE_IN_BIND", raising=False)
+    monkeypatch.setattr(series, "native_patch_ids", lambda: {})
+    cases = [({}, True), ({"VLLM_PATCH_DISABLE": "1"}, False),
+             ({"VLLM_PATCH_NIXL_CPU_CORE_IN_BIND": "0"}, False),
+             ({"VLLM_PATCH_DISABLE": "1", "VLLM_PATCH_NIXL_CPU_CORE_IN_BIND": "1"},
+              True)]
+    for env, on in cases:
+        dep = _deployment(16, env=env)
+        assert dep._nixl_core_fix_on(dep.instances[0]) is on, env
+    monkeypatch.setattr(series, "native_patch_ids",
+                        lambda: {"cpu-nixl-kv-core-in-bind": "cpu_kv_transfer_core"})
+    for env, _ in cases:
+        dep = _deployment(16, env=env)
+        assert dep._nixl_core_fix_on(dep.instances[0]) is True, env
+
+
 def _kv_supervisor(tmp_path, name: str = "prefill-0") -> InstanceSupervisor:
     return InstanceSupervisor(name, log_dir=str(tmp_path / "logs"), deployment_id="abcd1234")
 

@@ -437,7 +437,12 @@ class Deployment:
 
     def _nixl_core_fix_on(self, inst: Instance) -> bool:
         from vllm_patch import envs
+        from vllm_patch.series import native_patch_ids
 
+        if "cpu-nixl-kv-core-in-bind" in native_patch_ids():
+            # A patched vLLM build keeps the core within the binding itself
+            # (the vLLM installed here, which the nodes run too).
+            return True
         env = self._server_env(inst)
         own = env.get("VLLM_PATCH_NIXL_CPU_CORE_IN_BIND", "").strip().lower()
         if own:
