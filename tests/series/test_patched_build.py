@@ -111,6 +111,18 @@ STOCK_FAILS = {
                    "test_grammar_ready_before_kv_arrived[True]",
                    "test_grammar_failure_after_kv_load_frees_blocks",
                    "test_abort_during_early_kv_load_frees_blocks")),
+    # The async-scheduling fixes: only the prior step's placeholders filled
+    # in (with spec decode, and without: one per step), the runner's token
+    # count not left ahead of the scheduler's; the CPU generator of a
+    # discarded partial-prefill sample left as it was.
+    "tests/v1/worker/test_gpu_input_batch_async_placeholders.py::test_only_the_prior_steps_placeholders_are_replaced",
+    "tests/v1/worker/test_gpu_input_batch_async_placeholders.py::test_without_spec_decode_one_placeholder_per_step",
+    "tests/v1/worker/test_gpu_model_runner.py::test_update_states_async_spec_decode_count_not_ahead_of_scheduler",
+    "tests/v1/worker/test_gpu_model_runner.py::test_discarded_sample_keeps_seeded_cpu_generator",
+    # NIXL's CPU KV-transfer core within the instance's binding (one list,
+    # and one per rank).
+    "tests/platforms/test_cpu_kv_transfer_core.py::test_transfer_core_within_the_bound_cores",
+    "tests/platforms/test_cpu_kv_transfer_core.py::test_transfer_core_within_every_ranks_cores",
 }
 # Cases in all: 8 for the three fixes, 11 for G2 (vLLM's async twin of
 # the changed test mocks the grammar too and passes on both, and vLLM's
@@ -119,8 +131,13 @@ STOCK_FAILS = {
 # rows and vLLM's test_structured_output_manager.py whole (0005 changes its
 # case table): 55 cases, one of them skipped on both (vLLM marks it xfail
 # for guidance); 7 for G3's V1 runner side (3 controls pass on both);
-# 8 for G4.
-NUM_SERIES_TESTS = 19 + 3 + 55 + 7 + 8
+# 8 for G4; 10 for the three async-scheduling and CPU generator fixes (6
+# pass on both: a filled-in history's rejected drafts, a kept sample, vLLM's
+# _sample stand-in test that 0008 gives the attribute it reads, and three
+# vLLM runner tests next to the changed ones); 6 for the NIXL transfer core
+# (4 pass on both: vLLM's own binding, none, an unreadable one, cores not
+# listed).
+NUM_SERIES_TESTS = 19 + 3 + 55 + 7 + 8 + 10 + 6
 SKIPPED_ON_BOTH = {
     "tests/v1/structured_output/test_structured_output_manager.py::"
     "test_real_flow[active_first_token_terminates-guidance]",
@@ -137,7 +154,7 @@ RECORDS = {"G2": "g2_commit_cut", "G3": "g3_runner",
            "G4": "g4_kv_load_during_compile"}
 
 # Which patches of the 0.32.0 series apply (git apply --check, in order) to
-# vLLM 0.33.0's source distribution: the three fixes, at other line offsets
+# vLLM 0.33.0's source distribution: the seven fixes, at other line offsets
 # (patches/vllm-0.33.0/ has them regenerated against 0.33.0); not G2's,
 # whose scheduler code 0.33.0 changed (it has its own port there).
 APPLY_TO_033 = {
@@ -150,6 +167,10 @@ APPLY_TO_033 = {
     # request (grammar_bitmask_rows reads them with that stride).
     "0006-Structured-Output-Spec-Decode-V1-runner-accept-no-dr.patch": True,
     "0007-Core-KV-Connector-Structured-Output-Start-the-remote.patch": False,
+    "0008-Bugfix-Core-Async-scheduling-fill-in-only-the-prior-.patch": True,
+    "0009-Bugfix-CPU-Rewind-a-seeded-CPU-generator-after-a-dis.patch": True,
+    "0010-Bugfix-Core-Async-spec-decode-never-leave-the-runner.patch": True,
+    "0011-Bugfix-CPU-KV-Connector-NIXL-keep-the-KV-transfer-co.patch": True,
 }
 # Patches of the 0.32.0 series that apply to 0.33.0's sources as text but
 # whose 0.33.0 patch is a port.
@@ -234,7 +255,7 @@ def test_environment_has_the_build_and_no_plugin(env):
 def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
     files = series_env.series_tests(VERSION)
     # The new test files whole, the changed ones for their changed test only.
-    assert len(files) == 12
+    assert len(files) == 21
     assert "tests/v1/core/test_scheduler.py::test_abort_request_when_" \
         "structured_output_fsm_cannot_advance" in files
     (tmp_path / "build").mkdir()
@@ -300,7 +321,8 @@ def test_status_reads_native_with_the_plugin_installed(env):
             "    out[pid] = [patching.REGISTRY.outcomes[pid].state.value,\n"
             "                getattr(obj, patching.NAME_ATTR, None)]\n"
             "print(json.dumps(out))\n") % (sorted(replaces), sorted(CARRIED)),
-            VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION="0")
+            VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION="0",
+            VLLM_PATCH_NIXL_CPU_CORE_IN_BIND="0")
         g3_tests = subprocess.run(
             [str(env / "bin" / "python"), "-m", "pytest", "-q", "-p",
              "no:cacheprovider", "-m", "scheduler",
@@ -322,7 +344,10 @@ def test_status_reads_native_with_the_plugin_installed(env):
         assert states[pid]["state"] == native, states[pid]
         assert states[pid]["detail"] == marker.removeprefix("_patch_series_")
     for pid in ("cpu-top-k-empty-fix", "cpu-spec-expand-fix",
-                "example-connector-short-prompt"):
+                "example-connector-short-prompt",
+                "async-output-placeholders-fix",
+                "async-output-placeholders-step", "async-output-count-align",
+                "cpu-seeded-prefill-rewind", "cpu-nixl-kv-core-in-bind"):
         assert f"[package] {pid}: {native}" in text
     for gid in CARRIED:
         row = rows[gid]
@@ -353,6 +378,9 @@ def test_status_reads_native_with_the_plugin_installed(env):
     assert "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 has no effect" in text
     assert "VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 is ignored for G2" \
         in check.stderr
+    # Nor the NIXL transfer-core fix the build carries.
+    assert "VLLM_PATCH_NIXL_CPU_CORE_IN_BIND=0 is ignored on this vLLM " \
+        "build" in check.stderr
     # Native, and the build's own function is in place (no plugin wrapper).
     assert set(replaces) <= set(got)
     assert got == {pid: [native, None] for pid in got}
@@ -457,7 +485,7 @@ def test_every_release_has_a_series():
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
 def test_series_applies_to_its_release_sources(version):
     report = series_env.apply_report(version, version)
-    assert len(report) == len(series.read_series(version)) == 7
+    assert len(report) == len(series.read_series(version)) == 11
     assert all(err == "" for err in report.values()), report
 
 
