@@ -18,6 +18,8 @@ with the plugin installed.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -131,7 +133,7 @@ def test_threaded_rows_equal_serial_rows(patched, native, async_, monkeypatch):
         assert used == 0  # stock: with drafts, never on the pool
 
 
-def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch):
+def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch, caplog):
     """The price grammar-aware drafting puts on a verification row its
     drafts add: the scheduler's own measured ratio of the wall time per row
     threaded to serial, read from the scheduler's manager (in-process
@@ -196,6 +198,15 @@ def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch):
     assert gd._verify_row_factor(bound, rows) == pytest.approx(0.4)
     choice.per_row[True].extend([130.0] * 5)
     assert gd._verify_row_factor(bound, rows) == 1.0
+    # A price that cannot be read: a serial fill's, and a warning says so.
+    def broken(manager, rows):
+        raise RuntimeError("no price")
+
+    monkeypatch.setattr(pr, "row_factor", broken)
+    with caplog.at_level(logging.WARNING):
+        assert gd._verify_row_factor(bound, rows) == 1.0
+    assert "could not read the scheduler's threaded verification price" \
+        in caplog.text
 
 
 @pytest.mark.patched_only

@@ -925,7 +925,13 @@ def _verify_row_factor(t: Tracker, rows: int) -> float:
 
     try:
         return parallel_rows.row_factor(manager, rows)
-    except Exception:  # noqa: BLE001 - a price estimate, never a failure
+    except Exception as exc:  # noqa: BLE001 - a price estimate, never a failure
+        from vllm_patch.patching import _warn_once
+
+        _warn_once("vllm_patch: grammar-aware drafting could not read the "
+                   f"scheduler's threaded verification price ({exc!r}); it "
+                   "prices the verification rows its drafts add as serial "
+                   "fills (never cheaper than they are)")
         logger.debug("vllm_patch: threaded verification price not read",
                      exc_info=True)
         return 1.0
