@@ -220,14 +220,15 @@ def series_tests(version: str) -> list[str]:
                 names.update(added)
                 # A change below a test's def line in the hunk's context (the
                 # @@ header then names the function before it).
-                test = None
+                test, inside = None, set()
                 for ln in lines.splitlines():
                     m = re.match(r"[ +\-](?:async )?def (test_\w+)", ln)
                     if m:
                         test = m.group(1)
                     elif ln[:1] in "+-" and test:
-                        names.add(test)
-                if not ctx and not added:
+                        inside.add(test)
+                names.update(inside)
+                if not ctx and not added and not inside:
                     names.add("")  # outside a test: the whole file
             if "" in names:
                 out.add(f)
