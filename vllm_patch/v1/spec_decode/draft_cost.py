@@ -33,7 +33,8 @@ Both sides are measured on the running worker, per step of its drafter:
   steps' costs are averaged (a step that does not walk costs the shadows'
   advance only: not what walking costs). The
   shadows' upkeep (advancing every shadow by the step's tokens, reading
-  them) is priced per shadow, the walk per walked row: a step that walks
+  them, the pass over the batch's rows before the decision) is priced per
+  shadow, the walk per walked row: a step that walks
   a sample of the rows prices the walk on the sample, not on the batch.
 
 Measuring and probing walk a sample: while the cost model has not measured
