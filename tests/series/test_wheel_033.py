@@ -145,3 +145,59 @@ def test_033_scheduler_tier_passes_on_the_build_alone(installed):
     assert res.returncode == 0, out[-6000:] + res.stderr[-2000:]
     summary = out.strip().splitlines()[-1]
     assert int(re.search(r"(\d+) passed", summary).group(1)) >= 100, summary
+
+
+
+def _release_033() -> Path:
+    return Path(os.environ.get("VLLM_PATCH_V033",
+                               series.CACHE / "vllm-0.33.0"))
+
+
+def test_033_series_tests_pass_on_the_build_and_fail_on_the_release(
+        installed, tmp_path):
+    """The tests the 0.33.0 series adds to vLLM's tree (and the vLLM tests
+    it changes), from the 0.33.0 release's own tests/, with no plugin
+    loaded: each passes on the installed build, and on the release (the
+    tree the scheduler tier runs) exactly the ones that show a bug the
+    series fixes fail. The same set as on 0.32.0, plus the two row-pattern
+    cases of vLLM's 0.33.0 table that 0005 changes (a padded reasoning
+    draft). One control fails on both here: the expand kernel's int64 case
+    runs vLLM's C++ CPU op, which the CUDA wheel does not have."""
+    from test_patched_build import SKIPPED_ON_BOTH, STOCK_FAILS
+
+    from vllm_patch.testing import series_env, vllm_suites
+
+    release = _release_033()
+    if not (release / "vllm").is_dir():
+        pytest.skip(f"no vLLM 0.33.0 tree at {release}")
+    stock_fails = STOCK_FAILS | {
+        "tests/v1/structured_output/test_structured_output_manager.py::"
+        f"test_real_flow[implicit_end_rejected-{backend}]"
+        for backend in ("guidance", "xgrammar")}
+    env_fails = {"tests/v1/sample/test_cpu_expand_kernel.py::"
+                 "test_expand_writes_into_output[dtype2-values2-0-0-expected2]"}
+    tree = series_env.tests_tree(VERSION)
+    files = series_env.series_tests(VERSION)
+    deps = vllm_suites.suite_deps()
+    out = {}
+    for label, vllm_dir in (("build", installed), ("release", release)):
+        (tmp_path / label).mkdir()
+        out[label] = series_env.run_tests(
+            Path(sys.executable), tree, files, tmp_path / label,
+            {"PYTHONPATH": os.pathsep.join([str(vllm_dir), str(deps),
+                                            str(tree)]),
+             "VLLM_PATCH_DISABLE": "1"})
+    build, release_out = out["build"], out["release"]
+    assert set(build) == set(release_out)
+    assert stock_fails <= set(build), sorted(stock_fails - set(build))
+    log = (tmp_path / "build" / "pytest.log").read_text()[-4000:]
+    assert {n: o for n, o in build.items() if o != "passed"} == {
+        **{n: "skipped" for n in SKIPPED_ON_BOTH},
+        **{n: "failed" for n in env_fails}}, log
+    failed = {n for n, o in release_out.items() if o == "failed"}
+    assert failed == stock_fails | env_fails, (
+        sorted(failed ^ (stock_fails | env_fails)),
+        (tmp_path / "release" / "pytest.log").read_text()[-4000:])
+    assert all(release_out[n] == ("skipped" if n in SKIPPED_ON_BOTH
+                                  else "passed")
+               for n in set(release_out) - failed)

