@@ -337,3 +337,16 @@ def test_forced_continuation_comes_back_when_the_target_takes_it_again():
 def test_forced_continuation_always_drafts_without_the_cost_model():
     choice = dc.ForcedAheadChoice(enabled=False)
     assert set(_verdicts(choice, 20, target_takes_forced=False)) == {"draft"}
+
+
+def test_syncs_priced_per_position_and_for_the_token_read(monkeypatch):
+    """On a GPU host each draft position the walk masks waits for the device
+    once, and the shadows' advance reads the step's sampled tokens once: at
+    30 us a sync in a 10 ms step, 4 positions cost 5 syncs (1.5 % of the
+    step) beside the rows' host time."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=30e3)
+    _steps(cost, clock, 3, step_ms=10, tokens=512, rows=16,
+           host_us_per_row=5, gain_per_row=1.0)
+    _, c = cost.expected(16, 4)
+    assert c == pytest.approx((16 * cost.cost_per_row_ns + 5 * 30e3) / 10e6)

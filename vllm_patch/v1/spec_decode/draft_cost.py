@@ -144,7 +144,6 @@ class DraftCost:
     # ... of it the shadows' upkeep (advance, reads), and how many shadows.
     upkeep_ns: int = 0
     upkeep_shadows: int = 0
-    syncs: int = 0
     rows: int = 0
     # Where the next sample's window starts (it rotates over the rows).
     sample_at: int = 0
@@ -200,7 +199,7 @@ class DraftCost:
                                            float(batch_tokens), low=False)
         if self.rows > 0 and self.walked:
             upkeep = min(self.upkeep_ns, self.host_ns)
-            walk = self.host_ns - upkeep + self.syncs * self.sync_ns \
+            walk = self.host_ns - upkeep \
                 + extra_rows * (self.row_fill_ns or 0.0) * self.row_factor
             shadows = max(self.upkeep_shadows, self.rows)
             self.cost_samples.append(walk / self.rows + upkeep / shadows)
@@ -212,7 +211,7 @@ class DraftCost:
             prior = [] if len(self.gain_samples) == GAIN_WINDOW \
                 else [PRIOR_GAIN_PER_ROW]
             self.gain_per_row = statistics.fmean([*prior, *self.gain_samples])
-        self.host_ns = self.syncs = self.rows = 0
+        self.host_ns = self.rows = 0
         self.upkeep_ns = self.upkeep_shadows = 0
         self.walked = False
 
@@ -241,7 +240,9 @@ class DraftCost:
         per_row = PRIOR_GAIN_PER_ROW if self.gain_per_row is None \
             else self.gain_per_row
         gain = rows * per_row / max(self.tokens_per_step, 1.0)
-        cost = (rows * self.cost_per_row_ns + positions * self.sync_ns) \
+        # The synchronisations: one per draft position, and the read of the
+        # step's sampled tokens the shadows advance by.
+        cost = (rows * self.cost_per_row_ns + (positions + 1) * self.sync_ns) \
             / max(self.step_ns, 1.0)
         return gain, cost
 
