@@ -44,47 +44,41 @@ def test_new_file_whole(tmp_path, monkeypatch):
     assert got == ["tests/v1/test_new.py"]
 
 
-def test_change_inside_a_test_whose_def_is_in_the_context(tmp_path, monkeypatch):
-    # The header names the function before the changed test.
-    hunk = ("@@ -10,6 +10,7 @@ def test_before():\n"
-            " \n"
-            " def test_changed():\n"
-            "     runner = object()\n"
-            "+    runner.flag = False\n"
-            "     assert runner\n")
+@pytest.mark.parametrize(("hunk", "want"), [
+    # A change inside a test whose def is in the context; the header names
+    # the function before it.
+    ("@@ -10,6 +10,7 @@ def test_before():\n"
+     " \n"
+     " def test_changed():\n"
+     "     runner = object()\n"
+     "+    runner.flag = False\n"
+     "     assert runner\n",
+     ["::test_before", "::test_changed"]),
+    # A test added with its helper.
+    ("@@ -10,6 +10,12 @@ def test_before():\n"
+     "     pass\n"
+     "+def _helper():\n"
+     "+    return 1\n"
+     "+\n"
+     "+def test_added():\n"
+     "+    assert _helper()\n",
+     ["::test_added", "::test_before"]),
+    # A change outside any test: the whole file.
+    ("@@ -1,3 +1,4 @@\n"
+     " import os\n"
+     "+import sys\n"
+     " \n",
+     [""]),
+    # A change inside the first test of a file: no function before it, the
+    # header names none, the context holds the def.
+    ("@@ -1,4 +1,5 @@\n"
+     " def test_first():\n"
+     "     x = 1\n"
+     "+    x += 1\n"
+     "     assert x\n",
+     ["::test_first"]),
+], ids=["context-def", "added-with-helper", "outside-tests", "first-test"])
+def test_changed_file_runs_the_tests_its_hunks_touch(tmp_path, monkeypatch,
+                                                      hunk, want):
     got = _select(tmp_path, monkeypatch, _diff("tests/v1/test_x.py", [hunk]))
-    assert got == ["tests/v1/test_x.py::test_before",
-                   "tests/v1/test_x.py::test_changed"]
-
-
-def test_added_test_with_its_helper(tmp_path, monkeypatch):
-    hunk = ("@@ -10,6 +10,12 @@ def test_before():\n"
-            "     pass\n"
-            "+def _helper():\n"
-            "+    return 1\n"
-            "+\n"
-            "+def test_added():\n"
-            "+    assert _helper()\n")
-    got = _select(tmp_path, monkeypatch, _diff("tests/v1/test_x.py", [hunk]))
-    assert got == ["tests/v1/test_x.py::test_added",
-                   "tests/v1/test_x.py::test_before"]
-
-
-def test_change_outside_any_test_runs_the_whole_file(tmp_path, monkeypatch):
-    hunk = ("@@ -1,3 +1,4 @@\n"
-            " import os\n"
-            "+import sys\n"
-            " \n")
-    got = _select(tmp_path, monkeypatch, _diff("tests/v1/test_x.py", [hunk]))
-    assert got == ["tests/v1/test_x.py"]
-
-
-def test_change_inside_the_first_test_of_a_file(tmp_path, monkeypatch):
-    # No function before it: the header names none, the context holds the def.
-    hunk = ("@@ -1,4 +1,5 @@\n"
-            " def test_first():\n"
-            "     x = 1\n"
-            "+    x += 1\n"
-            "     assert x\n")
-    got = _select(tmp_path, monkeypatch, _diff("tests/v1/test_x.py", [hunk]))
-    assert got == ["tests/v1/test_x.py::test_first"]
+    assert got == [f"tests/v1/test_x.py{w}" for w in want]
