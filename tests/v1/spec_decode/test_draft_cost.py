@@ -24,8 +24,9 @@ class Clock:
 def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
            tokens: int, rows: int, host_us_per_row: float,
            gain_per_row: float, extra_rows_per_row: float = 0.0,
-           row_factor: float = 1.0) -> list[int]:
-    """n steps of a batch: decide, spend host time on the rows that walk,
+           row_factor: float = 1.0, host_us_fixed: float = 0.0) -> list[int]:
+    """n steps of a batch: decide, spend host time on the rows that walk
+    (and `host_us_fixed` on a step that walks any, whatever their number),
     then observe (`extra_rows_per_row`: verification rows the walk adds per
     walked row). Returns the rows walked per step (0: none)."""
     out = []
@@ -37,6 +38,8 @@ def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
         walked = cost.decide(rows, 4)
         out.append(walked)
         cost.host_ns += int(walked * host_us_per_row * 1e3)
+        if walked:
+            cost.host_ns += int(host_us_fixed * 1e3)
         clock.now += int(step_ms * 1e6)
         cost.observe(tokens, int(round(walked * gain_per_row)),
                      int(round(walked * extra_rows_per_row)), row_factor)
@@ -133,10 +136,11 @@ def test_gain_measured_within_a_few_steps(monkeypatch):
     average decaying from the prior of 1 token per row needs."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    on = _steps(cost, clock, dc.OFF_PROBE_EVERY + 2, step_ms=256, tokens=512,
+    on = _steps(cost, clock, dc.OFF_PROBE_EVERY + 4, step_ms=256, tokens=512,
                 rows=256, host_us_per_row=300, gain_per_row=0.2)
-    # The first two walking steps measure; then off (a probe at most).
-    assert all(on[:2]) and not any(on[2:2 + dc.OFF_PROBE_EVERY - 1])
+    # The first four walking steps measure (two samples of each size); then
+    # off (a probe at most).
+    assert all(on[:4]) and not any(on[4:4 + dc.OFF_PROBE_EVERY - 1])
     assert cost.regime in ("off", "dormant")
 
 
@@ -211,17 +215,22 @@ def test_row_fill_sampled_on_walking_steps():
 def test_a_large_batch_measures_and_probes_on_a_sample(monkeypatch):
     """B=256 where the walk does not pay (0.2 tokens per row, +10 %, for
     300 us of host time per row in a 256 ms step, +30 %): the measuring
-    steps and the probes walk SAMPLE_ROWS rows, a window that moves over
-    the batch; no step walks every row before it goes dormant."""
+    steps and the probes walk SAMPLE_ROWS and LARGE_SAMPLE_ROWS rows in
+    turn, a window that moves over the batch; no step walks every row
+    before it goes dormant."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
     walked = _steps(cost, clock, dc.DORMANT_AFTER + 4, step_ms=256,
                     tokens=512, rows=256, host_us_per_row=300,
                     gain_per_row=0.2)
     assert cost.regime == "dormant"
-    assert walked[:2] == [dc.SAMPLE_ROWS] * 2
-    assert max(walked) == dc.SAMPLE_ROWS and walked.count(dc.SAMPLE_ROWS) >= 3
-    assert cost.counts["steps_sampled"] == walked.count(dc.SAMPLE_ROWS)
+    assert walked[:4] == [dc.SAMPLE_ROWS, dc.LARGE_SAMPLE_ROWS] * 2
+    sampled = [w for w in walked if w]
+    assert set(sampled) == {dc.SAMPLE_ROWS, dc.LARGE_SAMPLE_ROWS}
+    assert len(sampled) >= 3 and cost.counts["steps_sampled"] == len(sampled)
+    # In turn: the small and the large sample.
+    assert sampled[::2] == [dc.SAMPLE_ROWS] * len(sampled[::2])
+    assert sampled[1::2] == [dc.LARGE_SAMPLE_ROWS] * len(sampled[1::2])
     rows = list(range(256))
     first, second = cost.sample(rows, 16), cost.sample(rows, 16)
     assert len(first) == len(second) == 16 and not set(first) & set(second)
@@ -238,7 +247,8 @@ def test_a_sample_that_pays_turns_the_whole_batch_on(monkeypatch):
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
     walked = _steps(cost, clock, 10, step_ms=20, tokens=128, rows=64,
                     host_us_per_row=10, gain_per_row=1.0)
-    assert walked[:2] == [dc.SAMPLE_ROWS] * 2 and walked[2:] == [64] * 8
+    # The large sample of a batch of 64 is all of it.
+    assert walked[:4] == [dc.SAMPLE_ROWS, 64] * 2 and walked[4:] == [64] * 6
     assert cost.regime == "on"
 
 
@@ -258,7 +268,55 @@ def test_upkeep_priced_per_shadow_walk_per_walked_row(monkeypatch):
     cost.upkept(256)
     clock.now += 20 * 10**6
     cost.observe(512, 0)
-    assert cost.cost_samples[-1] == pytest.approx(110e3, rel=0.01)
+    assert cost.walk_points[-1] == (dc.SAMPLE_ROWS, 1_600_000)
+    assert cost.upkeep_samples[-1] == pytest.approx(10e3, rel=0.01)
+    assert cost.cost_per_row_ns == pytest.approx(110e3, rel=0.01)
+
+
+def test_fixed_work_per_step_told_apart_from_the_work_per_row(monkeypatch):
+    """A walking step costs 2 ms whatever its rows (the drafts' write-back,
+    one batched grammar call per position) plus 10 us per walked row. B=256
+    in 20 ms steps, 2 tokens per row, +0.5 per row from the walk (+25 %):
+    walking every row costs 4.56 ms (+23 %), so it pays. Priced per row of
+    a 16-row sample (135 us) the batch would cost 35 ms (+173 %): off. The
+    samples of two sizes tell the fixed part from the rows': on, and the
+    price it then measures walking every row is what the line said."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    walked = _steps(cost, clock, 12, step_ms=20, tokens=512, rows=256,
+                    host_us_per_row=10, host_us_fixed=2000, gain_per_row=0.5)
+    assert walked[:4] == [dc.SAMPLE_ROWS, dc.LARGE_SAMPLE_ROWS] * 2
+    assert walked[4:] == [256] * 8 and cost.regime == "on"
+    assert cost.row_price(256) == pytest.approx(2000e3 / 256 + 10e3, rel=0.01)
+    gain, c = cost.expected(256, 4)
+    assert c == pytest.approx(4.56 / 20, rel=0.02) and c < gain
+    # A sample's own cost per row is still what it cost (a batch of 16).
+    assert cost.row_price(16) == pytest.approx(2000e3 / 16 + 10e3, rel=0.01)
+
+
+def test_fixed_work_per_step_that_does_not_pay(monkeypatch):
+    """The same walk (2 ms a step + 10 us per row) for +0.15 tokens per row
+    (+7.5 %) against +23 %: off, then dormant; no step walks every row."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    walked = _steps(cost, clock, 20, step_ms=20, tokens=512, rows=256,
+                    host_us_per_row=10, host_us_fixed=2000, gain_per_row=0.15)
+    assert max(walked) <= dc.LARGE_SAMPLE_ROWS and cost.regime == "dormant"
+
+
+def test_a_one_off_sample_does_not_decide(monkeypatch):
+    """The walk of the previous test, which pays, where the first sample of
+    each size paid a one-off 100 ms (warm-up): each size's cost is the low
+    median of its samples, so the batch still walks every row."""
+    clock = Clock(monkeypatch)
+    for slow in (0, 1):
+        cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+        walked = []
+        for i in range(12):
+            walked += _steps(cost, clock, 1, step_ms=20, tokens=512, rows=256,
+                             host_us_per_row=10, gain_per_row=0.5,
+                             host_us_fixed=2000 + (100_000 if i == slow else 0))
+        assert walked[4:] == [256] * 8 and cost.regime == "on", (slow, walked)
 
 
 def test_a_slow_first_step_does_not_make_the_walk_look_cheap(monkeypatch):
@@ -274,7 +332,7 @@ def test_a_slow_first_step_does_not_make_the_walk_look_cheap(monkeypatch):
            host_us_per_row=200, gain_per_row=0.2)
     walked = _steps(cost, clock, 16, step_ms=20, tokens=512, rows=256,
                     host_us_per_row=200, gain_per_row=0.2)
-    assert max(walked) == dc.SAMPLE_ROWS
+    assert max(walked) <= dc.LARGE_SAMPLE_ROWS
     assert cost.regime == "dormant"
 
 

@@ -38,22 +38,40 @@ Both sides are measured on the running worker, per step of its drafter:
   a sample of the rows prices the walk on the sample, not on the batch.
 
 Measuring and probing walk a sample: while the cost model has not measured
-twice (the first walking steps of a batch, and after re-arming) and on a
-probe step while off, a batch of more than `SAMPLE_ROWS` structured rows
-walks only `SAMPLE_ROWS` of them (a window that rotates over the rows from
-one such step to the next), the others draft as in stock. Gain and cost are
-measured per row, so a sample measures them as the whole batch would, at a
-fraction of the price: at B=256 a measuring step costs 1/16 of a walk of
-every row, and so does each probe of a batch where the walk does not pay.
+enough (the first walking steps of a batch, below) and on a probe step
+while off, a batch of more than `SAMPLE_ROWS` structured rows walks only a
+sample of them (a window that rotates over the rows from one such step to
+the next), the others draft as in stock. Samples come in two sizes, `SAMPLE_ROWS` and
+`LARGE_SAMPLE_ROWS`, in turn (the first measuring step the small one, the
+second the large one, and so on for the probes): a walking step costs a
+fixed part (the write-back of the drafts, the concatenation before the
+candidates are read, one batched grammar call per position, whatever the
+number of rows) plus a part per walked row, and one sample size cannot tell
+them apart. Measured at a 131k vocabulary, k=4: about 2.2 ms fixed plus
+45 us per row; priced per row of a 16-row sample that is about 3 times what
+a walk of every row of a batch of 256 costs per row, so the batch stayed
+off where walking every row paid. The price per row of a walk of a batch
+of R rows: as measured where two walks had R/2 to 2R rows (a batch that
+walks every row); else from a line through the samples: each sample size
+one point, the low median of its steps' costs, the part per row the slope
+from the small to the large, the fixed part what the small one leaves over
+it (neither below 0), divided over R; without two sizes (a batch no larger
+than a sample) the low median of the walks' costs per row. A batch sampled
+in two sizes measures four walking steps (two of each) before it decides.
+Gain is measured per row, so a sample measures it as the whole batch would,
+at a fraction of the price: at B=256 a measuring or probing step costs 1/16
+or 1/4 of a walk of every row.
 
-Estimates are robust to one-off work: the cost per row is the low median
-of the last `COST_WINDOW` walking steps (a step that pays a one-off, a
-first-step warm-up, a collection pause, a cache fill, is one sample among
-several and never decides alone; the first two walking steps always run,
-so there are two samples before a decision), the row fill the low median
-of its last samples; the gain per row is the mean of the last
-`GAIN_WINDOW` walking steps, the prior counting as one step until the
-window is full (it follows a batch's real gain within a few steps,
+Estimates are robust to one-off work: the walk's price uses the last
+`2 * COST_WINDOW` walking steps, low medians throughout (a step that pays a
+one-off, a first-step warm-up, a collection pause, a cache fill, is one
+sample among several and never decides alone: the first two walking steps
+always run, four where there are two sample sizes, so there are two
+samples of each before a decision), the shadows' upkeep per shadow the low
+median of its last `COST_WINDOW` steps, the row fill the low median of
+its last samples; the gain per row is the mean of
+the last `GAIN_WINDOW` walking steps, the prior counting as one step until
+the window is full (it follows a batch's real gain within a few steps,
 instead of the many an average decaying from the prior needs).
 
 Decision (every step, before drafting): walk the grammar iff
@@ -97,12 +115,32 @@ COST_WINDOW, GAIN_WINDOW, FILL_WINDOW = 5, 16, 3
 DORMANT_AFTER = 8
 # While off: every this many steps in a row a probe step walks.
 OFF_PROBE_EVERY = 4
-# Rows a measuring or probing step walks at most (see the docstring).
+# Rows a measuring or probing step walks at most, the two sizes in turn
+# (see the docstring).
 SAMPLE_ROWS = 16
+LARGE_SAMPLE_ROWS = 4 * SAMPLE_ROWS
 # A shadow's row fill (the price of a verification row) is timed every
 # this many walking steps.
 FILL_SAMPLE_EVERY = 16
 BACKOFF_FIRST, BACKOFF_MAX = 256, 16384
+
+
+def _walk_line(points: deque) -> tuple[float, float] | None:
+    """(fixed ns per step, ns per walked row) through the walking steps'
+    (rows walked, walk ns) points: each number of rows walked is one point,
+    the low median of its steps' costs; the line through the smallest such
+    number and the largest, if that is at least twice as many rows, neither
+    part below 0; else None."""
+    by_rows: dict[int, list[float]] = {}
+    for r, n in points:
+        by_rows.setdefault(r, []).append(n)
+    lo, hi = min(by_rows), max(by_rows)
+    if hi < 2 * lo:
+        return None
+    n_lo = statistics.median_low(by_rows[lo])
+    n_hi = statistics.median_low(by_rows[hi])
+    per_row = max(0.0, (n_hi - n_lo) / (hi - lo))
+    return max(0.0, n_lo - per_row * lo), per_row
 
 
 def _median(samples: deque, new: float, low: bool) -> float:
@@ -122,6 +160,8 @@ class DraftCost:
     # Measured (medians of the last STEP_WINDOW steps).
     step_ns: float | None = None
     tokens_per_step: float | None = None
+    # The walk's price per row for the batch's rows (the line's, see
+    # `row_price`), with the shadows' upkeep.
     cost_per_row_ns: float | None = None
     # None until measured (PRIOR_GAIN_PER_ROW stands in).
     gain_per_row: float | None = None
@@ -134,7 +174,12 @@ class DraftCost:
     # workers: the scheduler and its measurements are in another process).
     row_factor: float = 1.0
     walked_steps: int = 0
-    cost_samples: deque = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    # (rows walked, walk ns) of the last walking steps, and the upkeep per
+    # shadow of the last steps.
+    walk_points: deque = field(
+        default_factory=lambda: deque(maxlen=2 * COST_WINDOW))
+    upkeep_samples: deque = field(
+        default_factory=lambda: deque(maxlen=COST_WINDOW))
     step_samples: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     token_samples: deque = field(default_factory=lambda: deque(maxlen=STEP_WINDOW))
     gain_samples: deque = field(default_factory=lambda: deque(maxlen=GAIN_WINDOW))
@@ -145,8 +190,12 @@ class DraftCost:
     upkeep_ns: int = 0
     upkeep_shadows: int = 0
     rows: int = 0
+    # The rows `decide` was asked about (the batch's walking rows).
+    batch_rows: int = 0
     # Where the next sample's window starts (it rotates over the rows).
     sample_at: int = 0
+    # Sampled steps so far (their size alternates).
+    samples_taken: int = 0
     walked: bool = False
     last_step_at: int | None = None
     off_run: int = 0
@@ -202,8 +251,10 @@ class DraftCost:
             walk = self.host_ns - upkeep \
                 + extra_rows * (self.row_fill_ns or 0.0) * self.row_factor
             shadows = max(self.upkeep_shadows, self.rows)
-            self.cost_samples.append(walk / self.rows + upkeep / shadows)
-            self.cost_per_row_ns = statistics.median_low(self.cost_samples)
+            self.walk_points.append((self.rows, float(walk)))
+            self.upkeep_samples.append(upkeep / shadows)
+            self.cost_per_row_ns = self.row_price(
+                max(self.batch_rows, self.rows))
             # The prior is one step's worth until the window is full: not
             # seeded by the first step (whose gain may be nothing: the
             # batch's first drafts), not outweighing what is measured.
@@ -232,30 +283,59 @@ class DraftCost:
                     "request and step)", self.gain_per_row or 0.0)
         return False
 
+    def row_price(self, rows: int) -> float:
+        """What walking `rows` rows costs per row (ns): as measured where
+        two walks had half to twice as many rows, else the walk's line
+        (fixed part over the rows, plus the part per row), else the low
+        median of the walks' costs per row; plus the upkeep per shadow."""
+        upkeep = statistics.median_low(self.upkeep_samples) \
+            if self.upkeep_samples else 0.0
+        if not self.walk_points:
+            return upkeep
+        near = [n / r for r, n in self.walk_points
+                if rows <= 2 * r <= 4 * rows]
+        line = None if len(near) >= 2 else _walk_line(self.walk_points)
+        if line is not None:
+            fixed, per_row = line
+            walk = fixed / max(rows, 1) + per_row
+        else:
+            walk = statistics.median_low(
+                near if len(near) >= 2
+                else [n / r for r, n in self.walk_points])
+        return walk + upkeep
+
+    def measuring(self, rows: int) -> bool:
+        """Not measured enough to decide for a batch of `rows` rows yet:
+        two walking steps, four where the batch is sampled in two sizes
+        (two of each: one one-off among them never decides)."""
+        need = 4 if rows >= 2 * SAMPLE_ROWS else 2
+        return self.step_ns is None or self.tokens_per_step is None \
+            or len(self.walk_points) < need
+
     def expected(self, rows: int, positions: int) -> tuple[float, float]:
         """(relative gain in tokens per step, relative cost in step time)."""
-        if self.step_ns is None or self.tokens_per_step is None \
-                or len(self.cost_samples) < 2:
+        if self.measuring(rows):
             return 1.0, 0.0  # not measured twice yet: run, and measure
         per_row = PRIOR_GAIN_PER_ROW if self.gain_per_row is None \
             else self.gain_per_row
         gain = rows * per_row / max(self.tokens_per_step, 1.0)
         # The synchronisations: one per draft position, and the read of the
         # step's sampled tokens the shadows advance by.
-        cost = (rows * self.cost_per_row_ns + (positions + 1) * self.sync_ns) \
-            / max(self.step_ns, 1.0)
+        cost = (rows * self.row_price(rows)
+                + (positions + 1) * self.sync_ns) / max(self.step_ns, 1.0)
         return gain, cost
 
     def decide(self, rows: int, positions: int) -> int:
         """How many of this step's `rows` walk the grammar: all of them, a
-        sample (`SAMPLE_ROWS` at most: measuring, probing) or none."""
+        sample (`SAMPLE_ROWS` or `LARGE_SAMPLE_ROWS` at most, in turn:
+        measuring, probing) or none."""
+        self.batch_rows = rows
         if not self.enabled:
             self.rows = rows
             self.walked = True
             self.counts["steps_on"] += 1
             return rows
-        measuring = self.step_ns is None or self.tokens_per_step is None \
-            or len(self.cost_samples) < 2
+        measuring = self.measuring(rows)
         gain, cost = self.expected(rows, positions)
         on = gain > cost
         probe = not on and self.regime == "off" \
@@ -285,7 +365,12 @@ class DraftCost:
         walk = 0
         if self.walked:
             self.walked_steps += 1
-            walk = rows if on and not measuring else min(rows, SAMPLE_ROWS)
+            walk = rows
+            if measuring or not on:
+                walk = min(rows, LARGE_SAMPLE_ROWS if self.samples_taken % 2
+                           else SAMPLE_ROWS)
+                if rows > SAMPLE_ROWS:
+                    self.samples_taken += 1
             if walk < rows:
                 self.counts["steps_sampled"] += 1
         self.rows = walk
