@@ -43,7 +43,12 @@ document, else a random token (which the grammar mostly forbids: the case
 grammar-aware drafting exists for).
 
 Reported per cell (vocabulary, backend, k, batch size B), medians over the
-timed repetitions:
+timed repetitions (for the defaults mode, whose cost model walks on some
+steps and not on others, the median of the steps that walked and the
+median of those that did not, weighted by how many there were: a median
+of the mixture is one regime's cost, not the mixture's, and a mean of the
+paired differences is as noisy as the noisiest step; its share of rows
+walked is a mean):
 - verify_ms: stock's verification grammar work (the same code in every mode;
   measured in each), and verify_rows, the bitmask rows it filled;
 - draft_cpu_ms: what grammar-aware drafting adds over stock's drafting step
@@ -636,7 +641,8 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
     # cost model's first measuring steps, the shadows' advance until it goes
     # dormant), to be amortized over the dormant period that follows.
     totals = {m: {"draft_cpu_ms": 0.0, "verify_rows": 0.0} for m in modes}
-    last_cpu = {m: 0.0 for m in modes}
+    last_draft = {m: 0.0 for m in modes}
+    stock_row_ns: list[float] = []
     compile_ms = {m: 0.0 for m in modes}
     order = list(modes)
     steps = args.warmup + args.reps
@@ -647,13 +653,24 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
         for mode in order:
             lane = lanes[mode]
             verify_ns = lane.verify()
+            if mode == "stock":
+                stock_row_ns.append(verify_ns / max(lane.verify_rows, 1))
             t = lane.tracker
             before = dict(t.stats) if t is not None else {}
             if t is not None and t.cost is not None:
-                # The cost model sees a GPU host's step: the GPU's time plus
-                # this mode's CPU work on the engine thread last step.
-                t.cost.last_step_at = time.perf_counter_ns() - int(
-                    (args.gpu_step_ms + last_cpu[mode]) * 1e6)
+                # The cost model sees a GPU host's step, as on an engine
+                # between two of its drafting steps: the GPU's time, the
+                # last drafting step's CPU work and the verification of its
+                # drafts (this repetition's rows, priced as the projection
+                # prices them: at stock's measured cost per row, times the
+                # share of it the lane's threaded walk took this step; two
+                # lanes timing the same rows differ by 10 % and more).
+                share = min(1.0, lane.verify_wall_ns / max(verify_ns, 1))
+                per_row = statistics.median(stock_row_ns) if stock_row_ns \
+                    else verify_ns / max(lane.verify_rows, 1)
+                verify_ms = per_row * lane.verify_rows * share / 1e6
+                t.cost.bench_step_ns = int(
+                    (args.gpu_step_ms + verify_ms + last_draft[mode]) * 1e6)
             on_before = dict(t.cost.counts) if t is not None and t.cost else {}
             gd_compile_before = _COMPILE["ns"]
             argmax_before = _ARGMAX["ns"]
@@ -686,6 +703,9 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
                 "d2h_bytes": delta.get("d2h_bytes", 0),
                 "d2h_syncs": delta.get("d2h_syncs", 0),
                 "tokens_per_step": statistics.fmean(lane.step_tokens),
+                # What the cost model counted as the walk's gain (accepted
+                # drafts after the first changed position), per row.
+                "gain_per_row": delta.get("gain_tokens", 0) / batch,
             }
             if t is not None and t.cost is not None and not t.reason_off:
                 # The share of the batch's rows that walked the grammar in
@@ -705,7 +725,7 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
                 row["draft_cpu_ms"] = (row["draft_ms"] - stock["draft_ms"]
                                        - row["device_ms"]) if mode != "stock" else 0.0
             grammar = row["verify_ms"] + row.get("draft_cpu_ms", 0.0)
-            last_cpu[mode] = row["verify_ms"] + max(0.0, row.get("draft_cpu_ms", 0.0))
+            last_draft[mode] = max(0.0, row.get("draft_cpu_ms", 0.0))
             row["grammar_cpu_ms"] = grammar
             totals[mode]["draft_cpu_ms"] += row.get("draft_cpu_ms", 0.0)
             totals[mode]["verify_rows"] += row["verify_rows"]
@@ -718,6 +738,16 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
                            "reps": args.reps, "modes": {}}
     for mode in modes:
         med = {key: statistics.median(v) for key, v in per[mode].items()}
+        walked = [x > 0 for x in per[mode].get("on", [])]
+        if mode == "default" and any(walked) and not all(walked):
+            # A mixture of regimes (walking steps, stock's drafts): each
+            # regime's median, weighted by its share of the steps.
+            share = sum(walked) / len(walked)
+            for key, v in per[mode].items():
+                on = [x for x, w in zip(v, walked) if w]
+                off = [x for x, w in zip(v, walked) if not w]
+                med[key] = share * statistics.median(on) \
+                    + (1 - share) * statistics.median(off)
         if "draft_cpu_ms" in med:
             med["draft_cpu_ms"] = max(0.0, med["draft_cpu_ms"])
             med["grammar_cpu_ms"] = med["verify_ms"] + med["draft_cpu_ms"]
@@ -742,11 +772,44 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
             lanes[mode].manager, ["a", "b"]))
         if t is not None and t.cost is not None:
             med["cost_row_factor"] = t.cost.row_factor
+            # The cost model's state at the end of the run, and what it
+            # expects a walk of the batch to cost (ms a step) on the step
+            # as stock would take it (`step_ms`, at --gpu-step-ms).
+            snap = {**t.cost.snapshot(),
+                    "requests_per_step": t.cost.requests_per_step,
+                    "rows": t.cost.batch_rows, "gpu_step_ms": args.gpu_step_ms}
+            if t.cost.step_ns and t.cost.batch_rows \
+                    and not t.cost.measuring(t.cost.batch_rows):
+                _, rel = t.cost.expected(t.cost.batch_rows, k)
+                snap["cost_ms"] = rel * t.cost.step_ns / 1e6
+            med["cost_model"] = snap
         out["modes"][mode] = med
     return out
 
 
 _COMPILE = {"ns": 0}
+
+
+def _feed_step_times() -> None:
+    """The cost model reads a step's length as the time since its last
+    reading; here it is given the modelled GPU host's step (`bench_step_ns`,
+    set per lane and repetition) at the moment it reads it, so the shadows'
+    advance before the reading (and its one-off compiles) is not counted
+    twice: the last drafting step's CPU work is in the step already."""
+    from vllm_patch.v1.spec_decode import draft_cost as dc
+
+    inner = dc.DraftCost.observe
+    if getattr(inner, "_fed", False):
+        return
+
+    def observe(self: Any, *a: Any, **kw: Any) -> Any:
+        step = getattr(self, "bench_step_ns", None)
+        if step is not None and self.last_step_at is not None:
+            self.last_step_at = time.perf_counter_ns() - step
+        return inner(self, *a, **kw)
+
+    observe._fed = True  # type: ignore[attr-defined]
+    dc.DraftCost.observe = observe
 
 
 def _time_compiles() -> None:
@@ -827,6 +890,29 @@ def modelled_grammar_ms(cell: dict[str, Any]) -> dict[str, float]:
     return priced
 
 
+def default_decision(m: dict[str, Any], tps: dict[str, float],
+                     gpu: float) -> str:
+    """What the defaults' cost model decides for a drafter the benchmark
+    does not run (EAGLE, draft model, perfect: their tokens per step come
+    from the tiny world): its rule (walk iff the walked requests' speed-up
+    over the batch's requests beats the walk's relative cost) with that
+    drafter's speed-up and the cost the model measured in this cell, its
+    margin included
+    (walking every row, on the step as stock takes it, rescaled to `gpu`).
+    "always" (it walks: always-on's work and tokens), "off" (the feature
+    switched off, as after it goes dormant) or "mixed" where the model did
+    not measure a cost (the simulated drafter's share of rows walked)."""
+    cm = m.get("cost_model") or {}
+    if "cost_ms" not in cm or not cm.get("step_ms"):
+        return "mixed"
+    speedup = tps["patched"] / tps["stock"] - 1.0
+    gain = speedup * cm["rows"] / max(cm.get("requests_per_step") or 1.0, 1.0)
+    cost = cm["cost_ms"] / (gpu + cm["step_ms"] - cm["gpu_step_ms"])
+    from vllm_patch.v1.spec_decode.draft_cost import DECISION_MARGIN
+
+    return "always" if gain > DECISION_MARGIN * cost else "off"
+
+
 def project(cell: dict[str, Any], tokens: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Output tokens/s per mode and drafter on a GPU-host model: B x tokens
     per step / (GPU step + CPU grammar work on the engine thread), relative
@@ -853,6 +939,7 @@ def project(cell: dict[str, Any], tokens: dict[str, dict[str, float]]) -> dict[s
         for drafter, tps in {**tokens, "sim": None}.items():
             rates = {}
             for mode, m in modes.items():
+                like = mode
                 if drafter == "sim":
                     if sim.get(mode) is None:
                         continue
@@ -860,13 +947,23 @@ def project(cell: dict[str, Any], tokens: dict[str, dict[str, float]]) -> dict[s
                 elif mode in ("stock", "off"):
                     t = tps["stock"]
                 elif mode == "default":
-                    share = m.get("on_share", 1.0)
-                    t = tps["stock"] + share * (tps["patched"] - tps["stock"])
+                    like = default_decision(m, tps, gpu)
+                    if like == "always":
+                        t = tps["patched"]
+                    elif like == "off":
+                        t = tps["stock"]
+                    else:
+                        share = m.get("on_share", 1.0)
+                        t = tps["stock"] + share * (tps["patched"]
+                                                    - tps["stock"])
+                        like = mode
                 else:
                     t = tps["patched"]
-                work = grammar[mode]
+                if like not in grammar:
+                    like = mode
+                work = grammar[like]
                 if drafter != "sim" and grammar is priced:
-                    work = modelled[mode]
+                    work = modelled[like]
                 rates[mode] = b * t / ((gpu + work) / 1e3)
             if rates:
                 per[drafter] = {mode: round(r / rates["stock"], 3)
@@ -934,6 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     vllm_patch.register()
     _time_compiles()
+    _feed_step_times()
     tokens = DEFAULT_TOKENS
     if args.tokens_from:
         tokens = json.loads(Path(args.tokens_from).read_text())
