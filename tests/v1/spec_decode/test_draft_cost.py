@@ -22,13 +22,17 @@ class Clock:
 
 
 def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
-           tokens: int, rows: int, host_us_per_row: float,
-           gain_per_row: float, extra_rows_per_row: float = 0.0,
+           requests: int, rows: int, host_us_per_row: float,
+           speedup: float, extra_rows_per_row: float = 0.0,
            row_factor: float = 1.0, host_us_fixed: float = 0.0) -> list[int]:
-    """n steps of a batch: decide, spend host time on the rows that walk
+    """n steps of a batch of `requests` requests, `rows` of them structured,
+    each `step_ms` in stock: decide, spend host time on the rows that walk
     (and `host_us_fixed` on a step that walks any, whatever their number),
-    then observe (`extra_rows_per_row`: verification rows the walk adds per
-    walked row). Returns the rows walked per step (0: none)."""
+    which the step takes on top, then observe; `speedup`:
+    what walking does for a walked request, g / (t - g) (a request that
+    commits 2 tokens a step in stock and 1 more walked: 0.5);
+    `extra_rows_per_row`: verification rows the walk adds per walked row.
+    Returns the rows walked per step (0: none)."""
     out = []
     for _ in range(n):
         if cost.dormant():
@@ -37,11 +41,17 @@ def _steps(cost: dc.DraftCost, clock: Clock, n: int, *, step_ms: float,
             continue
         walked = cost.decide(rows, 4)
         out.append(walked)
-        cost.host_ns += int(walked * host_us_per_row * 1e3)
+        host = int(walked * host_us_per_row * 1e3)
         if walked:
-            cost.host_ns += int(host_us_fixed * 1e3)
-        clock.now += int(step_ms * 1e6)
-        cost.observe(tokens, int(round(walked * gain_per_row)),
+            host += int(host_us_fixed * 1e3)
+        cost.host_ns += host
+        # The step takes stock's time plus what the walk added to it: its
+        # host time, its verification rows, its syncs (one per position and
+        # the token read).
+        extra = walked * extra_rows_per_row * (cost.row_fill_ns or 0.0) \
+            * row_factor + (5 * cost.sync_ns if walked else 0.0)
+        clock.now += int(step_ms * 1e6 + host + extra)
+        cost.observe(requests, walked * speedup,
                      int(round(walked * extra_rows_per_row)), row_factor)
     return out
 
@@ -57,8 +67,8 @@ def test_on_where_gain_beats_cost(monkeypatch):
     walk (+50 %), 10 us of host time per row in a 20 ms step (+13 %): on."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=30e3)
-    on = _steps(cost, clock, 50, step_ms=20, tokens=512, rows=256,
-                host_us_per_row=10, gain_per_row=1.0)
+    on = _steps(cost, clock, 50, step_ms=20, requests=256, rows=256,
+                host_us_per_row=10, speedup=0.5)
     assert all(on) and cost.regime == "on"
     gain, c = cost.expected(256, 4)
     assert gain == pytest.approx(0.5, rel=0.05) and c < gain
@@ -70,11 +80,11 @@ def test_off_then_dormant_then_rearmed(monkeypatch):
     more than it gains, so it turns off, goes dormant, re-arms later."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=30e3)
-    on = _steps(cost, clock, 3, step_ms=10, tokens=512, rows=1,
-                host_us_per_row=5, gain_per_row=0.0)
+    on = _steps(cost, clock, 3, step_ms=10, requests=256, rows=1,
+                host_us_per_row=5, speedup=0)
     assert on[0]  # measured first
-    on += _steps(cost, clock, dc.DORMANT_AFTER + 5, step_ms=10, tokens=512,
-                 rows=1, host_us_per_row=5, gain_per_row=0.0)
+    on += _steps(cost, clock, dc.DORMANT_AFTER + 5, step_ms=10, requests=256,
+                 rows=1, host_us_per_row=5, speedup=0)
     # Off from the second step: only the probes walk (every OFF_PROBE_EVERY-th
     # step in a row that is off), then dormant.
     first_off = on.index(False)
@@ -91,8 +101,8 @@ def test_off_then_dormant_then_rearmed(monkeypatch):
     assert cost.step == first_rearm and cost.regime == "on"
     assert cost.backoff == 2 * dc.BACKOFF_FIRST  # longer next time
     # Still nothing to gain: dormant again, for twice as long.
-    _steps(cost, clock, dc.DORMANT_AFTER + 2, step_ms=10, tokens=512, rows=1,
-           host_us_per_row=5, gain_per_row=0.0)
+    _steps(cost, clock, dc.DORMANT_AFTER + 2, step_ms=10, requests=256, rows=1,
+           host_us_per_row=5, speedup=0)
     assert cost.regime == "dormant" and cost.counts["dormant_periods"] == 2
     assert cost.rearm_at - first_rearm >= 2 * dc.BACKOFF_FIRST
     assert cost.backoff == 4 * dc.BACKOFF_FIRST
@@ -101,14 +111,15 @@ def test_off_then_dormant_then_rearmed(monkeypatch):
 def test_first_steps_without_gain_do_not_turn_it_off(monkeypatch):
     """A batch's first drafting steps often gain nothing (its requests just
     left their prefills): one batch row, 2 tokens per step, 5 us of host
-    time in a 20 ms step; the walk then gains 1.5 tokens per step. The gain
+    time in a 20 ms step; then walking gains 1.5 tokens per step (1.75x as
+    fast). The gain
     starts from the prior and is averaged, not seeded by the first step."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    on = _steps(cost, clock, 3, step_ms=20, tokens=2, rows=1,
-                host_us_per_row=5, gain_per_row=0.0)
-    on += _steps(cost, clock, 40, step_ms=20, tokens=3, rows=1,
-                 host_us_per_row=5, gain_per_row=1.5)
+    on = _steps(cost, clock, 3, step_ms=20, requests=1, rows=1,
+                host_us_per_row=5, speedup=0)
+    on += _steps(cost, clock, 40, step_ms=20, requests=1, rows=1,
+                 host_us_per_row=5, speedup=0.75)
     assert all(on) and cost.regime == "on"
 
 
@@ -121,10 +132,10 @@ def test_a_one_off_first_step_does_not_turn_it_off(monkeypatch):
     for the rest of the requests' lives.)"""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    on = _steps(cost, clock, 1, step_ms=20, tokens=2, rows=1,
-                host_us_per_row=100_000, gain_per_row=1.0)
-    on += _steps(cost, clock, 40, step_ms=20, tokens=3, rows=1,
-                 host_us_per_row=50, gain_per_row=1.0)
+    on = _steps(cost, clock, 1, step_ms=20, requests=1, rows=1,
+                host_us_per_row=100_000, speedup=0.5)
+    on += _steps(cost, clock, 40, step_ms=20, requests=1, rows=1,
+                 host_us_per_row=50, speedup=0.5)
     assert all(on) and cost.regime == "on"
     assert cost.counts["dormant_periods"] == 0
 
@@ -136,8 +147,8 @@ def test_gain_measured_within_a_few_steps(monkeypatch):
     average decaying from the prior of 1 token per row needs."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    on = _steps(cost, clock, dc.OFF_PROBE_EVERY + 4, step_ms=256, tokens=512,
-                rows=256, host_us_per_row=300, gain_per_row=0.2)
+    on = _steps(cost, clock, dc.OFF_PROBE_EVERY + 4, step_ms=256, requests=256,
+                rows=256, host_us_per_row=300, speedup=0.1)
     # The first four walking steps measure (two samples of each size); then
     # off (a probe at most).
     assert all(on[:4]) and not any(on[4:4 + dc.OFF_PROBE_EVERY - 1])
@@ -151,14 +162,14 @@ def test_probe_brings_it_back(monkeypatch):
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=30e3)
     for _ in range(100):  # the averaged gain decays from the prior
-        if not _steps(cost, clock, 1, step_ms=20, tokens=16, rows=8,
-                      host_us_per_row=50, gain_per_row=0.0)[0]:
+        if not _steps(cost, clock, 1, step_ms=20, requests=8, rows=8,
+                      host_us_per_row=50, speedup=0)[0]:
             break
-    _steps(cost, clock, 1, step_ms=20, tokens=16, rows=8,
-           host_us_per_row=50, gain_per_row=0.0)
+    _steps(cost, clock, 1, step_ms=20, requests=8, rows=8,
+           host_us_per_row=50, speedup=0)
     assert cost.regime == "off" and cost.off_run == 2
-    on = _steps(cost, clock, dc.DORMANT_AFTER - 3, step_ms=20, tokens=16,
-                rows=8, host_us_per_row=50, gain_per_row=3.0)
+    on = _steps(cost, clock, dc.DORMANT_AFTER - 3, step_ms=20, requests=8,
+                rows=8, host_us_per_row=50, speedup=1.5)
     assert cost.regime == "on" and on[-1] and cost.counts["dormant_periods"] == 0
 
 
@@ -169,13 +180,13 @@ def test_verification_rows_are_charged(monkeypatch):
     than stock's cut drafts, 50 us a row fill: off."""
     clock = Clock(monkeypatch)
     cheap = dc.DraftCost(enabled=True, sync_ns=0.0)
-    assert all(_steps(cheap, clock, 40, step_ms=20, tokens=512, rows=256,
-                      host_us_per_row=2, gain_per_row=0.2,
+    assert all(_steps(cheap, clock, 40, step_ms=20, requests=256, rows=256,
+                      host_us_per_row=2, speedup=0.1,
                       extra_rows_per_row=2.0))
     priced = dc.DraftCost(enabled=True, sync_ns=0.0)
     priced.fill_sample(50e3)
-    on = _steps(priced, clock, 40, step_ms=20, tokens=512, rows=256,
-                host_us_per_row=2, gain_per_row=0.2, extra_rows_per_row=2.0)
+    on = _steps(priced, clock, 40, step_ms=20, requests=256, rows=256,
+                host_us_per_row=2, speedup=0.1, extra_rows_per_row=2.0)
     assert on[0] and not on[-1] and priced.regime in ("off", "dormant")
 
 
@@ -188,8 +199,8 @@ def test_threaded_verification_rows_are_charged_at_their_share(monkeypatch):
     clock = Clock(monkeypatch)
     threaded = dc.DraftCost(enabled=True, sync_ns=0.0)
     threaded.fill_sample(20e3)
-    on = _steps(threaded, clock, 40, step_ms=20, tokens=512, rows=256,
-                host_us_per_row=2, gain_per_row=0.2, extra_rows_per_row=0.5,
+    on = _steps(threaded, clock, 40, step_ms=20, requests=256, rows=256,
+                host_us_per_row=2, speedup=0.1, extra_rows_per_row=0.5,
                 row_factor=0.3)
     assert all(on) and threaded.regime == "on"
     assert threaded.snapshot()["row_factor"] == 0.3
@@ -197,8 +208,8 @@ def test_threaded_verification_rows_are_charged_at_their_share(monkeypatch):
     assert cost < gain
     serial = dc.DraftCost(enabled=True, sync_ns=0.0)
     serial.fill_sample(20e3)
-    on = _steps(serial, clock, 40, step_ms=20, tokens=512, rows=256,
-                host_us_per_row=2, gain_per_row=0.2, extra_rows_per_row=0.5)
+    on = _steps(serial, clock, 40, step_ms=20, requests=256, rows=256,
+                host_us_per_row=2, speedup=0.1, extra_rows_per_row=0.5)
     assert not on[-1] and serial.regime in ("off", "dormant")
 
 
@@ -208,7 +219,7 @@ def test_row_fill_sampled_on_walking_steps():
     for _ in range(40):
         cost.decide(4, 4)
         sampled.append(cost.wants_fill_sample())
-        cost.observe(8, 4)
+        cost.observe(4, 2.0)
     assert sampled.count(True) == len(range(1, 41, dc.FILL_SAMPLE_EVERY))
 
 
@@ -221,8 +232,8 @@ def test_a_large_batch_measures_and_probes_on_a_sample(monkeypatch):
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
     walked = _steps(cost, clock, dc.DORMANT_AFTER + 4, step_ms=256,
-                    tokens=512, rows=256, host_us_per_row=300,
-                    gain_per_row=0.2)
+                    requests=256, rows=256, host_us_per_row=300,
+                    speedup=0.1)
     assert cost.regime == "dormant"
     assert walked[:4] == [dc.SAMPLE_ROWS, dc.LARGE_SAMPLE_ROWS] * 2
     sampled = [w for w in walked if w]
@@ -245,8 +256,8 @@ def test_a_sample_that_pays_turns_the_whole_batch_on(monkeypatch):
     row in a 20 ms step): measured on a sample, then every row walks."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    walked = _steps(cost, clock, 10, step_ms=20, tokens=128, rows=64,
-                    host_us_per_row=10, gain_per_row=1.0)
+    walked = _steps(cost, clock, 10, step_ms=20, requests=64, rows=64,
+                    host_us_per_row=10, speedup=0.5)
     # The large sample of a batch of 64 is all of it.
     assert walked[:4] == [dc.SAMPLE_ROWS, 64] * 2 and walked[4:] == [64] * 6
     assert cost.regime == "on"
@@ -258,7 +269,7 @@ def test_upkeep_priced_per_shadow_walk_per_walked_row(monkeypatch):
     upkeep of the whole batch charged to the sample)."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    cost.observe(512, 0)
+    cost.observe(256, 0)
     assert cost.decide(256, 4) == dc.SAMPLE_ROWS
     cost.host_ns += 1_600_000
     t0 = dc.time.thread_time_ns()
@@ -267,7 +278,7 @@ def test_upkeep_priced_per_shadow_walk_per_walked_row(monkeypatch):
     cost.upkeep_ns += 2_560_000
     cost.upkept(256)
     clock.now += 20 * 10**6
-    cost.observe(512, 0)
+    cost.observe(256, 0)
     assert cost.walk_points[-1] == (dc.SAMPLE_ROWS, 1_600_000)
     assert cost.upkeep_samples[-1] == pytest.approx(10e3, rel=0.01)
     assert cost.cost_per_row_ns == pytest.approx(110e3, rel=0.01)
@@ -276,15 +287,16 @@ def test_upkeep_priced_per_shadow_walk_per_walked_row(monkeypatch):
 def test_fixed_work_per_step_told_apart_from_the_work_per_row(monkeypatch):
     """A walking step costs 2 ms whatever its rows (the drafts' write-back,
     one batched grammar call per position) plus 10 us per walked row. B=256
-    in 20 ms steps, 2 tokens per row, +0.5 per row from the walk (+25 %):
-    walking every row costs 4.56 ms (+23 %), so it pays. Priced per row of
-    a 16-row sample (135 us) the batch would cost 35 ms (+173 %): off. The
+    in 20 ms steps, each walked request 1.35x as fast (+35 %): walking every
+    row costs 4.56 ms (+23 %), so it pays, also with the decision's margin.
+    Priced per row of a 16-row sample (135 us) the batch would cost 35 ms
+    (+173 %): off. The
     samples of two sizes tell the fixed part from the rows': on, and the
     price it then measures walking every row is what the line said."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    walked = _steps(cost, clock, 12, step_ms=20, tokens=512, rows=256,
-                    host_us_per_row=10, host_us_fixed=2000, gain_per_row=0.5)
+    walked = _steps(cost, clock, 12, step_ms=20, requests=256, rows=256,
+                    host_us_per_row=10, host_us_fixed=2000, speedup=0.35)
     assert walked[:4] == [dc.SAMPLE_ROWS, dc.LARGE_SAMPLE_ROWS] * 2
     assert walked[4:] == [256] * 8 and cost.regime == "on"
     assert cost.row_price(256) == pytest.approx(2000e3 / 256 + 10e3, rel=0.01)
@@ -299,8 +311,8 @@ def test_fixed_work_per_step_that_does_not_pay(monkeypatch):
     (+7.5 %) against +23 %: off, then dormant; no step walks every row."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
-    walked = _steps(cost, clock, 20, step_ms=20, tokens=512, rows=256,
-                    host_us_per_row=10, host_us_fixed=2000, gain_per_row=0.15)
+    walked = _steps(cost, clock, 20, step_ms=20, requests=256, rows=256,
+                    host_us_per_row=10, host_us_fixed=2000, speedup=0.075)
     assert max(walked) <= dc.LARGE_SAMPLE_ROWS and cost.regime == "dormant"
 
 
@@ -313,10 +325,48 @@ def test_a_one_off_sample_does_not_decide(monkeypatch):
         cost = dc.DraftCost(enabled=True, sync_ns=0.0)
         walked = []
         for i in range(12):
-            walked += _steps(cost, clock, 1, step_ms=20, tokens=512, rows=256,
-                             host_us_per_row=10, gain_per_row=0.5,
+            walked += _steps(cost, clock, 1, step_ms=20, requests=256, rows=256,
+                             host_us_per_row=10, speedup=0.35,
                              host_us_fixed=2000 + (100_000 if i == slow else 0))
         assert walked[4:] == [256] * 8 and cost.regime == "on", (slow, walked)
+
+
+@pytest.mark.parametrize("speedup,walks", [(0.6, False), (2.0, True)])
+def test_cost_relative_to_the_step_stock_would_take(monkeypatch, speedup,
+                                                    walks):
+    """A walk that adds 20 ms to a 20 ms step doubles it (+100 %): a
+    request 1.6x as fast does not pay for it, 3x as fast does (beyond the
+    decision's margin). Relative
+    to the step it made 40 ms long itself the walk would read +50 %, and
+    a batch 1.6x as fast would walk (and lose 20 %)."""
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    walked = _steps(cost, clock, 20, step_ms=20, requests=8, rows=8,
+                    host_us_per_row=2500, speedup=speedup)
+    assert cost.step_ns == pytest.approx(20e6, rel=0.01)
+    gain, c = cost.expected(8, 4)
+    assert c == pytest.approx(1.0, rel=0.02)
+    if walks:
+        assert all(walked) and cost.regime == "on"
+    else:
+        # Measured twice, then off (the probes walk) and dormant.
+        assert cost.regime == "dormant" and walked.count(8) <= \
+            2 + dc.DORMANT_AFTER // dc.OFF_PROBE_EVERY, walked
+
+
+@pytest.mark.parametrize("speedup,walks", [(0.22, False), (0.3, True)])
+def test_the_walk_must_gain_a_margin_over_its_cost(monkeypatch, speedup,
+                                                   walks):
+    """The walk adds 4 ms to a 20 ms step (+20 %). A request 1.22x as fast
+    (1.1 times the cost) is within the decision's margin (what the measured
+    cost leaves out): stock's drafts. 1.3x as fast (1.5 times): it walks."""
+    assert dc.DECISION_MARGIN == 1.25
+    clock = Clock(monkeypatch)
+    cost = dc.DraftCost(enabled=True, sync_ns=0.0)
+    walked = _steps(cost, clock, 40, step_ms=20, requests=8, rows=8,
+                    host_us_per_row=500, speedup=speedup)
+    assert cost.regime == ("on" if walks else "dormant"), walked
+    assert all(walked[-8:]) if walks else not any(walked[-8:])
 
 
 def test_a_slow_first_step_does_not_make_the_walk_look_cheap(monkeypatch):
@@ -328,10 +378,10 @@ def test_a_slow_first_step_does_not_make_the_walk_look_cheap(monkeypatch):
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=0.0)
     cost.observe(0, 0)  # the step before: the clock starts
-    _steps(cost, clock, 1, step_ms=600, tokens=256, rows=256,
-           host_us_per_row=200, gain_per_row=0.2)
-    walked = _steps(cost, clock, 16, step_ms=20, tokens=512, rows=256,
-                    host_us_per_row=200, gain_per_row=0.2)
+    _steps(cost, clock, 1, step_ms=600, requests=128, rows=256,
+           host_us_per_row=200, speedup=0.1)
+    walked = _steps(cost, clock, 16, step_ms=20, requests=256, rows=256,
+                    host_us_per_row=200, speedup=0.1)
     assert max(walked) <= dc.LARGE_SAMPLE_ROWS
     assert cost.regime == "dormant"
 
@@ -339,8 +389,8 @@ def test_a_slow_first_step_does_not_make_the_walk_look_cheap(monkeypatch):
 def test_disabled_model_always_walks(monkeypatch):
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=False, sync_ns=30e3)
-    on = _steps(cost, clock, 40, step_ms=10, tokens=512, rows=1,
-                host_us_per_row=5, gain_per_row=0.0)
+    on = _steps(cost, clock, 40, step_ms=10, requests=256, rows=1,
+                host_us_per_row=5, speedup=0)
     assert all(on) and cost.regime == "on"
 
 
@@ -404,7 +454,7 @@ def test_syncs_priced_per_position_and_for_the_token_read(monkeypatch):
     step) beside the rows' host time."""
     clock = Clock(monkeypatch)
     cost = dc.DraftCost(enabled=True, sync_ns=30e3)
-    _steps(cost, clock, 3, step_ms=10, tokens=512, rows=16,
-           host_us_per_row=5, gain_per_row=1.0)
+    _steps(cost, clock, 3, step_ms=10, requests=256, rows=16,
+           host_us_per_row=5, speedup=0.5)
     _, c = cost.expected(16, 4)
     assert c == pytest.approx((16 * cost.cost_per_row_ns + 5 * 30e3) / 10e6)

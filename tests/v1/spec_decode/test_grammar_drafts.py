@@ -550,3 +550,57 @@ def test_whole_batch_drafts_from_candidates(backend, patched, monkeypatch):
     again, _ = run(True, lambda r, pos: lazy[r][pos])
     assert again == lazy
     assert writes == [], writes
+
+
+@pytest.mark.patched_only
+def test_gain_is_each_walked_request_speed_up(monkeypatch):
+    """What the cost model is told a walk gained: per walked request, the
+    drafts it accepted after the first changed position (g) over the tokens
+    it would have committed without the walk (t - g), summed; and the
+    batch's requests that committed tokens (not its tokens: a request that
+    walks passes faster through the parts of its output where the walk
+    helps, so a ratio of tokens undercounts what it saves)."""
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    monkeypatch.delenv("VLLM_PATCH_FORCED_DRAFTS", raising=False)
+    h, rids, requests = _setup("xgrammar")
+    drafter = _drafter(h.vllm_config)
+    drafts, _ = _draft(h, drafter, rids, requests, h.tok("x"))
+    t = drafter.__dict__[gd.TRACKER_ATTR]
+    assert set(t.changed) == set(rids[:2]), t.changed
+    # The json row's walk changed its second draft, the regex row's first.
+    t.changed[rids[0]], t.changed[rids[1]] = 1, 0
+    seen = []
+    monkeypatch.setattr(t.cost, "observe",
+                        lambda requests_, gain, *a: seen.append((requests_, gain)))
+    # json: 3 drafts accepted + the target's token (t=4, g=3-1=2: 2/2);
+    # regex: 1 accepted + 1 (t=2, g=1: 1/1); unstructured: 1 token.
+    sampled = [drafts[0][:3] + [drafts[0][3]], drafts[1][:1] + [drafts[1][1]],
+               [drafts[2][0]]]
+    gd.advance(drafter, requests, rids, sampled, [False] * 3)
+    assert seen == [(3, pytest.approx(2 / 2 + 1 / 1))]
+
+
+@pytest.mark.patched_only
+def test_verification_row_priced_as_the_scheduler_walks_it(monkeypatch):
+    """A verification row's price is a fill, an accept and a one-token
+    rollback on the shadow's grammar, as the scheduler's walk does per
+    scheduled position; the shadow is left where it was."""
+    monkeypatch.delenv("VLLM_PATCH_MASKED_DRAFTS", raising=False)
+    h, rids, requests = _setup("xgrammar")
+    drafter = _drafter(h.vllm_config)
+    _draft(h, drafter, rids, requests, h.tok("x"))
+    t = drafter.__dict__[gd.TRACKER_ATTR]
+    shadow = t.shadows[rids[0]]
+    gd._rollback_each([shadow])
+    calls = []
+    grammar = shadow.grammar
+    for name in ("fill_bitmask", "accept_tokens", "rollback"):
+        inner = getattr(grammar, name)
+        monkeypatch.setattr(grammar, name, lambda *a, _n=name, _f=inner:
+                            calls.append(_n) or _f(*a))
+    before = grammar.num_processed_tokens
+    samples = len(t.cost.fill_samples)
+    assert gd._time_row_fill(t, shadow)
+    assert calls == ["fill_bitmask", "accept_tokens", "rollback"]
+    assert grammar.num_processed_tokens == before
+    assert len(t.cost.fill_samples) == samples + 1 and t.cost.row_fill_ns > 0
