@@ -1,7 +1,7 @@
 """Grammar-aware drafting's cost model (vllm_patch.v1.spec_decode.draft_cost):
-a batch walks its grammars only while the measured gain in accepted tokens
-beats the measured cost in step time; a feature that keeps not paying goes
-dormant (no cost at all) and re-arms after a back-off.
+a batch walks its grammars only while the measured gain in output speed
+beats 1.25 times the measured cost in step time; a feature that keeps not
+paying goes dormant (no cost at all) and re-arms after a back-off.
 
 A feature of the package with no stock counterpart (marker patched_only):
 the stock run has nothing to show."""

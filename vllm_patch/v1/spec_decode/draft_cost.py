@@ -51,9 +51,10 @@ Measuring and probing walk a sample: while the cost model has not measured
 enough (the first walking steps of a batch, below) and on a probe step
 while off, a batch of more than `SAMPLE_ROWS` structured rows walks only a
 sample of them (a window that rotates over the rows from one such step to
-the next), the others draft as in stock. Samples come in two sizes, `SAMPLE_ROWS` and
-`LARGE_SAMPLE_ROWS`, in turn (the first measuring step the small one, the
-second the large one, and so on for the probes): a walking step costs a
+the next), the others draft as in stock. Samples come in two sizes,
+`SAMPLE_ROWS` and `LARGE_SAMPLE_ROWS`, in turn (the first measuring step
+the small one, the second the large one, and so on for the probes): a
+walking step costs a
 fixed part (the write-back of the drafts, the concatenation before the
 candidates are read, one batched grammar call per position, whatever the
 number of rows) plus a part per walked row, and one sample size cannot tell
@@ -98,9 +99,9 @@ a dozen steps). The step time is the step as stock would take it: the
 time between the steps less what the feature added to it (its host time,
 the verification rows it added, its syncs); relative to a step the walk
 made longer itself, a walk adding 48 ms to a 69 ms step read as 41 %, not
-70 % (131k, guidance, B=256), and the batch walked where it lost 6 %. Off for a step: the drafts are stock's, the shadows are
-still advanced; every `OFF_PROBE_EVERY`th step in a row that is off walks a
-sample all the same (a probe: it measures the gain again, so that a batch
+70 % (131k, guidance, B=256), and the batch walked where it lost 6 %. Off
+for a step: the drafts are stock's, the shadows are still advanced; every
+`OFF_PROBE_EVERY`th step in a row that is off walks a sample all the same (a probe: it measures the gain again, so that a batch
 whose first steps gained nothing, e.g. right after its prefills, comes back
 on where the walk pays). Off for `DORMANT_AFTER` steps in a row: the feature goes
 dormant, drops every shadow (no cost at all: the requests in flight draft as
@@ -260,17 +261,16 @@ class DraftCost:
         rows: those `decide` was asked about) and gained (`gain`: the sum of
         the walked requests' speed-ups, g / (t - g) each, counted by the
         caller); `batch_requests`: the batch's requests that committed
-        tokens; `extra_rows`:
-        the drafts it handed over after the first changed position (the
-        scheduler's verification rows stock would not have filled);
+        tokens; `extra_rows`: the verification rows its drafts added to
+        the scheduler's walk, against the rows stock would have filled;
         `row_factor`: what such a row costs the engine thread as a share of
         a serial row fill (the scheduler's threaded walk, measured there)."""
         self.step += 1
         self.row_factor = min(1.0, max(0.0, row_factor))
         # What the feature added to the step: its host time (walk and
         # upkeep), the verification rows its drafts added, the syncs.
-        added = self.host_ns + extra_rows * (self.row_fill_ns or 0.0) \
-            * self.row_factor
+        rows_ns = extra_rows * (self.row_fill_ns or 0.0) * self.row_factor
+        added = self.host_ns + rows_ns
         if self.walked:
             added += (self.positions + 1) * self.sync_ns
         now = time.perf_counter_ns()
@@ -288,8 +288,7 @@ class DraftCost:
                                              float(batch_requests), low=False)
         if self.rows > 0 and self.walked:
             upkeep = min(self.upkeep_ns, self.host_ns)
-            walk = self.host_ns - upkeep \
-                + extra_rows * (self.row_fill_ns or 0.0) * self.row_factor
+            walk = self.host_ns - upkeep + rows_ns
             shadows = max(self.upkeep_shadows, self.rows)
             self.walk_points.append((self.rows, float(walk)))
             self.upkeep_samples.append(upkeep / shadows)
@@ -386,7 +385,8 @@ class DraftCost:
             if self.regime != "on":
                 logger.info("vllm_patch: grammar-aware drafting on again: "
                             "expected gain %.1f%% in output speed, cost "
-                            "%.1f%% of the step's time", 100 * gain, 100 * cost)
+                            "%.1f%% of the step's time", 100 * gain,
+                            100 * cost)
             self.regime = "on"
         else:
             self.off_run += 1
@@ -394,7 +394,8 @@ class DraftCost:
             if self.regime == "on":
                 logger.info("vllm_patch: grammar-aware drafting off for this "
                             "batch: expected gain %.1f%% in output speed, "
-                            "cost %.1f%% of the step's time", 100 * gain, 100 * cost)
+                            "cost %.1f%% of the step's time", 100 * gain,
+                            100 * cost)
             self.regime = "off"
             if self.off_run >= DORMANT_AFTER:
                 self.go_dormant()

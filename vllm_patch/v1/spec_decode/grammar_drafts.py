@@ -758,7 +758,6 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
                 n_walked += 1
                 stock_rows += (1 + speedup) * (1 + min(cut, walk[2]))
                 stock_weight += 1 + speedup
-            if walk is not None:
                 forced, drafted, drafts = walk
                 if drafted:
                     t.stats["forced_ahead_accepted"] += min(accepted,
@@ -1479,8 +1478,11 @@ def feature_status(settings: Any) -> list[dict[str, str]]:
     elif settings.draft_cost_model:
         status, why = "on", (
             "per batch and step: drafts under the grammar only while the "
-            "measured gain in accepted drafts exceeds the measured cost in "
-            "step time (host CPU time of the feature + "
+            "measured gain in output speed (how much faster a walked "
+            "request moves) exceeds "
+            f"{dc.DECISION_MARGIN:g} times the measured cost in step time, "
+            "relative to the step without the walk (host CPU time of the "
+            "feature, the verification rows its drafts add + "
             f"{settings.draft_sync_us:g} us per device synchronisation on a "
             f"GPU); a batch of more than {dc.SAMPLE_ROWS} structured "
             "requests is measured and probed on a sample of them "
