@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 from vllm_patch import conformance, envs, patching
+from vllm_patch.testing import series_env
 
 pytestmark = pytest.mark.unit
 
 FIXTURES = Path(__file__).parent / "conformance_fixtures"
-VLLM_033 = Path(os.environ.get(
-    "VLLM_PATCH_V033", Path.home() / ".cache" / "vllm-patch" / "vllm-0.33.0"))
+VLLM_033 = series_env.release_033_tree()
 IDS = ["G1", "G2", "G3", "G4"]
 
 

@@ -147,12 +147,6 @@ def test_033_scheduler_tier_passes_on_the_build_alone(installed):
     assert int(re.search(r"(\d+) passed", summary).group(1)) >= 100, summary
 
 
-
-def _release_033() -> Path:
-    return Path(os.environ.get("VLLM_PATCH_V033",
-                               series.CACHE / "vllm-0.33.0"))
-
-
 def test_033_series_tests_pass_on_the_build_and_fail_on_the_release(
         installed, tmp_path):
     """The tests the 0.33.0 series adds to vLLM's tree (and the vLLM tests
@@ -167,7 +161,7 @@ def test_033_series_tests_pass_on_the_build_and_fail_on_the_release(
 
     from vllm_patch.testing import series_env, vllm_suites
 
-    release = _release_033()
+    release = series_env.release_033_tree()
     if not (release / "vllm").is_dir():
         pytest.skip(f"no vLLM 0.33.0 tree at {release}")
     stock_fails = STOCK_FAILS | {

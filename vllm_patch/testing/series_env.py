@@ -40,6 +40,13 @@ ROOT = series.CACHE / "series-ci"
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
 
 
+def release_033_tree() -> Path:
+    """Where the vLLM 0.33.0 wheel's Python tree is unpacked (by
+    scripts/setup.sh; scripts/test.sh exports the path it uses)."""
+    return Path(os.environ.get("VLLM_PATCH_V033",
+                               series.CACHE / "vllm-0.33.0"))
+
+
 def say(msg: str) -> None:
     print(f"[series {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr,
           flush=True)
