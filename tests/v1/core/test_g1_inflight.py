@@ -41,7 +41,7 @@ def _normal_async_run(spec: int):
 
 
 @pytest.mark.parametrize("spec", [0, 3])
-def test_normal_async_identical_to_stock(patched, spec):
+def test_normal_async_identical_to_stock(patched, plugin_g1, spec):
     """The stock-correct path (async, queue 2) is bit-identical to stock."""
     import vllm_patch
     from vllm_patch import patching
@@ -62,7 +62,7 @@ def test_normal_async_identical_to_stock(patched, spec):
     assert with_patches == stock
 
 
-def test_gate_work_counted(patched):
+def test_gate_work_counted(patched, plugin_g1):
     """The gate's work in the PP-stagger flow is counted (process totals by
     delta; per scheduler in test_g1_strict_runtime) and the safety net stays
     quiet. Raising is for the safety net only (VLLM_PATCH_STRICT_RUNTIME=1,
@@ -82,7 +82,7 @@ def test_gate_work_counted(patched):
     assert all(delta[k] == 0 for k in inflight.SAFETY_NET), delta
 
 
-def test_unapplied_steps_tracking(patched):
+def test_unapplied_steps_tracking(patched, plugin_g1):
     """The per-request count follows launches, processing and aborts."""
     if not patched:
         pytest.skip("patched only")
@@ -103,7 +103,7 @@ def test_unapplied_steps_tracking(patched):
     assert not inflight.state(h.scheduler).fifo
 
 
-def test_bitmask_check_corrects_when_gate_bypassed(patched, monkeypatch):
+def test_bitmask_check_corrects_when_gate_bypassed(patched, plugin_g1, monkeypatch):
     """Defense in depth: with the schedule gate removed (as a custom
     scheduler that bypasses it would), the bitmask check preempts the lagging
     request in drop mode instead of building a stale row. Stock: the same

@@ -35,7 +35,7 @@ import torch
 from vllm_patch.conformance import g1
 from vllm_patch.testing.harness import Harness
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.usefixtures("plugin_g1")]
 
 PP = 2
 K = 2

@@ -23,7 +23,7 @@ import pytest
 from vllm_patch.conformance import g1
 from vllm_patch.v1.core.sched.scheduler import g1_inflight as inflight
 
-pytestmark = pytest.mark.scheduler
+pytestmark = [pytest.mark.scheduler, pytest.mark.usefixtures("plugin_g1")]
 
 MAX_TOKENS = 12
 
