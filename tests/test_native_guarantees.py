@@ -108,12 +108,16 @@ def test_grammar_end_on_a_build_that_carries_g2(monkeypatch):
     assert g2_finishes_at_grammar_end()
 
 
-def test_g3_from_the_series_records_native_on_v1_only(monkeypatch):
+@pytest.mark.parametrize(("gid", "record"), [("G1", "g1_grammar_state_current"),
+                                           ("G3", "g3_runner")])
+def test_v1_only_guarantees_from_the_series_records(monkeypatch, gid, record):
     """The records of this repository's series for the running vLLM (as a
     build from it installs them): 0005 names G3's rows, 0006 G3's V1 runner
-    side and the guarantee with RUNNERS ("V1",). Every G3 plugin patch is
-    native there (also Model Runner V2's, which the series does not name),
-    and status reads G3 native on V1 and not enforced on V2."""
+    side and the guarantee with RUNNERS ("V1",); 0012 G1's scheduler
+    patches and the guarantee with RUNNERS ("V1",). Every plugin patch of
+    the guarantee is native there (also Model Runner V2's, which the series
+    does not name), and status reads it native on V1 and not enforced on
+    V2."""
     from vllm_patch import series
 
     version = {"0.32": "0.32.0", "0.33": "0.33.0"}[
@@ -123,25 +127,25 @@ def test_g3_from_the_series_records_native_on_v1_only(monkeypatch):
         values = dict(sp.marker)
         for pid in values.get("REPLACES", ()):
             native[pid] = values["SERIES_PATCH"]
-        for gid in values.get("GUARANTEES", ()):
-            whole[gid] = {"series_patch": values["SERIES_PATCH"],
+        for carried in values.get("GUARANTEES", ()):
+            whole[carried] = {"series_patch": values["SERIES_PATCH"],
                           "runners": tuple(values.get("RUNNERS", ())),
                           "replaces": tuple(values.get("REPLACES", ()))}
-    assert whole["G3"]["runners"] == ("V1",)
+    assert whole[gid]["runners"] == ("V1",)
     monkeypatch.setattr(patching, "_NATIVE", [native])
     monkeypatch.setattr(patching, "_NATIVE_GUARANTEES", [whole])
     series_id = patching.version_series(patching.vllm_version())
-    g3 = [p for p in REGISTRY.patches.values()
-          if p.guarantee == "G3" and series_id in p.versions]
-    assert {p.name for p in g3} > set(whole["G3"]["replaces"])
-    for patch in g3:
+    mine = [p for p in REGISTRY.patches.values()
+            if p.guarantee == gid and series_id in p.versions]
+    assert {p.name for p in mine} > set(whole[gid]["replaces"])
+    for patch in mine:
         outcome = patching._native_outcome(patch)
         assert outcome is not None and outcome.state is State.NATIVE, patch.name
         monkeypatch.setitem(REGISTRY.outcomes, patch.name, outcome)
     row = {r["guarantee"]: r for r in
-           patching.guarantee_table(envs.settings())}["G3"]
+           patching.guarantee_table(envs.settings())}[gid]
     assert row["status"] == NATIVE
     assert row["runners"]["V1"]["status"] == NATIVE
     assert row["runners"]["V2"]["status"] == "not enforced"
     assert row["runners"]["V2"]["reason"] == (
-        "this vLLM build carries G3 for V1 only (g3_runner)")
+        f"this vLLM build carries {gid} for V1 only ({record})")

@@ -116,6 +116,9 @@ BUILD_DIGESTS: dict[str, dict[str, str]] = {
                                      "0.33": "29f8b5423348c5a3"},
     # 0007 (G4): the waiting loop skips a request whose grammar still compiles
     # unless an async remote KV load starts (the running loop is unchanged).
+    # The build of 0001-0011 (X.Y.Z+vllmpatch.5), where the plugin's G1 gate
+    # still applies; from 0012 on (vllmpatch.6) the build carries G1 and the
+    # plugin applies none of G1's patches there.
     _S + "schedule": {"0.32": "0d449dfca162dc51", "0.33": "f6c0de308544d95b"},
 }
 
