@@ -26,9 +26,10 @@ from pathlib import Path
 VERSION = "0.32.0"
 FILES = ["tests/v1/core/test_scheduler.py",
          "tests/v1/core/test_async_scheduler.py",
-         # The two the series adds.
+         # The three the series adds.
          "tests/v1/core/test_scheduler_grammar_termination.py",
          "tests/v1/core/test_scheduler_grammar_rows.py",
+         "tests/v1/core/test_scheduler_grammar_inflight.py",
          "tests/v1/structured_output",
          "tests/v1/kv_connector/unit",
          # The model runner and input batch tests the async-scheduling and
