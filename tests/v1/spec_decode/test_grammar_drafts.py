@@ -571,7 +571,7 @@ def test_gain_is_each_walked_request_speed_up(monkeypatch):
     t.changed[rids[0]], t.changed[rids[1]] = 1, 0
     seen = []
     monkeypatch.setattr(t.cost, "observe",
-                        lambda requests_, gain, *a: seen.append((requests_, gain)))
+                        lambda requests_, gain, *a, **kw: seen.append((requests_, gain)))
     # json: 3 drafts accepted + the target's token (t=4, g=3-1=2: 2/2);
     # regex: 1 accepted + 1 (t=2, g=1: 1/1); unstructured: 1 token.
     sampled = [drafts[0][:3] + [drafts[0][3]], drafts[1][:1] + [drafts[1][1]],

@@ -160,11 +160,14 @@ def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch, caplog)
     rows = sum(1 + len(spec.get(r, ())) for r in ids)
     assert rows >= pr.MIN_ROWS
     calls = _spy_pool(manager)
-    # The tiny vocabulary is under the vocabulary gate: serial walks,
-    # nothing measured, a serial fill's price.
+    # The tiny vocabulary is under the vocabulary gate: serial walks, no
+    # threaded walk measured against them, a serial fill's price.
     for _ in range(4):
         manager.grammar_bitmask(h.requests, ids, spec)
-    assert getattr(manager, pr._CHOICE_ATTR, None) is None and not calls
+    choice = getattr(manager, pr._CHOICE_ATTR, None)
+    assert not calls
+    if patched:
+        assert not choice.per_row[False] and not choice.per_row[True]
     assert pr.row_factor(manager, rows) == 1.0
     monkeypatch.setattr(pr, "MIN_VOCAB", 0)  # opened: the pricing
     for _ in range(8):  # the scheduler's walks of one step, measured
@@ -177,6 +180,7 @@ def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch, caplog)
     choice = getattr(manager, pr._CHOICE_ATTR, None)
     if not patched:
         assert choice is None and not calls  # nothing measured, no pool
+        assert pr.row_ns(manager) is None and gd._verify_row_ns(bound) is None
         assert pr.row_factor(manager, rows) == 1.0
         assert gd._verify_row_factor(bound, rows) == 1.0
         return
@@ -207,6 +211,55 @@ def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch, caplog)
         assert gd._verify_row_factor(bound, rows) == 1.0
     assert "could not read the scheduler's threaded verification price" \
         in caplog.text
+
+
+def test_drafting_prices_rows_at_the_schedulers_own_walk(patched):
+    """The scheduler's manager times each of its verification walks (wall
+    time per row, the first walk left out); grammar-aware drafting reads
+    the median as the price of a row its drafts add, where this process
+    holds the scheduler's manager (not a worker's own). Stock: nothing is
+    timed."""
+    import statistics
+    import weakref
+
+    from vllm_patch.testing.harness import Harness
+    from vllm_patch.v1.spec_decode import grammar_drafts as gd
+    from vllm_patch.v1.structured_output import parallel_rows as pr
+
+    h = Harness("xgrammar", num_spec_tokens=3)
+    manager = h.scheduler.structured_output_manager
+    rids, drafts, a = _batch(h, 8)
+    h.step({r: [a] for r in rids}, drafts=drafts)
+    so = h.schedule()
+    spec = so.scheduled_spec_decode_tokens
+    ids = [r for r in rids if r in so.num_scheduled_tokens]
+    bound = gd.Tracker(masked=True, forced=True)
+    bound.manager_ref = weakref.ref(manager)
+    local = gd.Tracker(masked=True, forced=True)
+    local.local_manager = manager
+    local.manager_ref = bound.manager_ref
+    for _ in range(pr.WINDOW):
+        manager.grammar_bitmask(h.requests, ids, spec)
+    if not patched:
+        assert pr.row_ns(manager) is None and gd._verify_row_ns(bound) is None
+        return
+    walks = getattr(manager, pr._CHOICE_ATTR).walks
+    assert len(walks) == pr.WINDOW and all(ns > 0 for ns in walks)
+    assert pr.row_ns(manager) == statistics.median(walks)
+    assert gd._verify_row_ns(bound) == pr.row_ns(manager)
+    assert gd._verify_row_ns(local) is None  # a worker's own manager
+
+
+@pytest.mark.patched_only
+def test_walk_price_leaves_out_the_first_walk():
+    from vllm_patch.v1.structured_output.parallel_rows import Choice
+
+    c = Choice()
+    c.record_walk(900_000, 10)  # cold: new grammar states
+    assert not c.walks
+    c.record_walk(200_000, 10)
+    c.record_walk(0, 0)  # no rows: nothing to price
+    assert list(c.walks) == [20_000.0]
 
 
 @pytest.mark.patched_only

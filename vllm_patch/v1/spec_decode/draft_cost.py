@@ -30,16 +30,20 @@ Both sides are measured on the running worker, per step of its drafter:
   verification rows the walk adds to the scheduler's work: stock's
   scheduler cuts a request's drafts at the first one its grammar refuses,
   so the drafts handed over after the first changed position each get a
-  bitmask row that stock would not fill; priced at one row fill of a
-  shadow, measured every `FILL_SAMPLE_EVERY` walking steps (the same
-  grammar, the same vocabulary), times what a row costs the engine thread
-  as a share of a serial fill: 1 where the scheduler fills its rows one
-  after another on the engine thread; where it walks them on vLLM's fill
-  threads (`parallel_rows`: xgrammar, vLLM's fill pool, enough rows, and
-  its own measurements chose threads) the ratio of the wall time per row
-  it measured threaded to serial. Only the in-process executor can read
-  that (the scheduler's manager is in this process); a multiprocess worker
-  has no scheduler, so there the rows are priced serially. Only walking
+  bitmask row that stock would not fill. Such a row is priced at what a
+  row cost the scheduler's engine thread on its own last walks
+  (`parallel_rows.row_ns`: the wall time per row of its verification
+  walks, threaded or serial as they ran), where this process holds the
+  scheduler's manager (the in-process executor: one GPU per engine). A
+  row filled on the drafter's side is 2-4x off that either way: one fill
+  right after the walk read 44 us at a 32k vocabulary where the
+  scheduler's added rows cost 20 (cold caches, a document's first
+  position), and a fill along the drafts read 20 us at 131k where they
+  cost 44 (the scheduler writes each row into its batch's bitmask, 16 KB
+  a row). Where the scheduler is in another process (a multiprocess
+  worker), a row is priced at one row fill of a shadow, measured every
+  `FILL_SAMPLE_EVERY` walking steps (the same grammar, the same
+  vocabulary), a serial fill's price. Only walking
   steps' costs are averaged (a step that does not walk costs the shadows'
   advance only: not what walking costs). The
   shadows' upkeep (advancing every shadow by the step's tokens, reading
@@ -144,11 +148,14 @@ FILL_SAMPLE_EVERY = 16
 BACKOFF_FIRST, BACKOFF_MAX = 256, 16384
 # The walk must gain this many times its measured cost. What the model
 # measures leaves out part of the walk's price (the hooks' code outside its
-# timers, verification rows dearer than a shadow's fill, accept and
-# rollback): in the cost benchmark (131k, B=128, k=4, a 10 ms GPU step) it
-# read 55 % of the step where the benchmark's accounting read 68 %, and
-# the defaults walked where that lost 3 %.
-DECISION_MARGIN = 1.25
+# timers). With a verification row priced at a shadow's fill it read 55 %
+# of the step where the cost benchmark's accounting read 68 % (131k, B=128,
+# k=4, a 10 ms GPU step; a margin of 1.25 then); with the rows priced at
+# the scheduler's own walk (in-process) its cost per walked row read within
+# 10 % of the benchmark's (151 against 164 us at 131k, B=128, k=4; 91
+# against 100 at 32k), and 1.25 kept stock's drafts where walking gained
+# 19 % (131k, B=256, EAGLE).
+DECISION_MARGIN = 1.15
 
 
 def _walk_line(points: deque) -> tuple[float, float] | None:
@@ -194,6 +201,9 @@ class DraftCost:
     gain_per_row: float | None = None
     # One verification row's fill (a shadow's, timed now and then).
     row_fill_ns: float | None = None
+    # A verification row's cost on the scheduler's engine thread, as its
+    # own walks measured it (in-process executor only; see observe).
+    scheduler_row_ns: float | None = None
     # What an added verification row costs the engine thread as a share of
     # a serial row fill: below 1 where the scheduler's walk runs on vLLM's
     # fill threads and measured them cheaper (parallel_rows.row_factor);
@@ -256,7 +266,8 @@ class DraftCost:
         self.row_fill_ns = statistics.median_low(self.fill_samples)
 
     def observe(self, batch_requests: int, gain: float,
-                extra_rows: float = 0, row_factor: float = 1.0) -> None:
+                extra_rows: float = 0, row_factor: float = 1.0,
+                row_ns: float | None = None) -> None:
         """At a step's advance: what the previous step's drafting cost (its
         rows: those `decide` was asked about) and gained (`gain`: the sum of
         the walked requests' speed-ups, g / (t - g) each, counted by the
@@ -264,12 +275,19 @@ class DraftCost:
         tokens; `extra_rows`: the verification rows its drafts added to
         the scheduler's walk, against the rows stock would have filled;
         `row_factor`: what such a row costs the engine thread as a share of
-        a serial row fill (the scheduler's threaded walk, measured there)."""
+        a serial row fill (the scheduler's threaded walk, measured there);
+        `row_ns`: what a row cost the scheduler's engine thread on its own
+        last walks, where this process can read it (then the price of a
+        row, instead of a shadow's fill times `row_factor`)."""
         self.step += 1
         self.row_factor = min(1.0, max(0.0, row_factor))
         # What the feature added to the step: its host time (walk and
         # upkeep), the verification rows its drafts added, the syncs.
-        rows_ns = extra_rows * (self.row_fill_ns or 0.0) * self.row_factor
+        if row_ns is not None:
+            self.scheduler_row_ns = float(row_ns)
+        price = self.scheduler_row_ns if self.scheduler_row_ns is not None \
+            else (self.row_fill_ns or 0.0) * self.row_factor
+        rows_ns = extra_rows * price
         added = self.host_ns + rows_ns
         if self.walked:
             added += (self.positions + 1) * self.sync_ns
@@ -443,6 +461,8 @@ class DraftCost:
                 else round(self.cost_per_row_ns / 1e3, 1),
                 "row_fill_us": None if self.row_fill_ns is None
                 else round(self.row_fill_ns / 1e3, 1),
+                "scheduler_row_us": None if self.scheduler_row_ns is None
+                else round(self.scheduler_row_ns / 1e3, 1),
                 "row_factor": round(self.row_factor, 3),
                 "step_ms": None if self.step_ns is None
                 else round(self.step_ns / 1e6, 2)}

@@ -796,7 +796,8 @@ def advance(drafter: Any, requests: dict[str, Any], req_ids: Sequence[str],
     extra_rows = max(0.0, walk_rows - n_walked * stock_rows / stock_weight) \
         if stock_weight else 0.0
     t.cost.observe(batch_requests, gain, extra_rows,
-                   _verify_row_factor(t, verify_rows) if extra_rows else 1.0)
+                   _verify_row_factor(t, verify_rows) if extra_rows else 1.0,
+                   row_ns=_verify_row_ns(t) if extra_rows else None)
     t.cost.charge(t0, upkeep=True)
     t.cost.upkept(len(t.shadows))
 
@@ -932,6 +933,33 @@ def end(drafter: Any) -> None:
     t.pending = None
     t.batch_req_ids = []
     t.cost.charge(t0)
+
+
+def _scheduler_manager(t: Tracker) -> Any:
+    """The scheduler's structured-output manager, where this process holds
+    it (the in-process executor); None otherwise (a multiprocess worker's
+    own manager verifies nothing)."""
+    if t.local_manager is not None or t.manager_ref is None:
+        return None
+    return t.manager_ref()
+
+
+def _verify_row_ns(t: Tracker) -> float | None:
+    """What a verification row cost the scheduler's engine thread on its
+    last walks (`parallel_rows.row_ns`: the real walk, threads included),
+    where this process holds the scheduler's manager; None elsewhere (the
+    cost model then prices a row as a shadow's fill)."""
+    manager = _scheduler_manager(t)
+    if manager is None:
+        return None
+    from vllm_patch.v1.structured_output import parallel_rows
+
+    try:
+        return parallel_rows.row_ns(manager)
+    except Exception:  # noqa: BLE001 - a price estimate, never a failure
+        logger.debug("vllm_patch: the scheduler's row price not read",
+                     exc_info=True)
+        return None
 
 
 def _verify_row_factor(t: Tracker, rows: int) -> float:

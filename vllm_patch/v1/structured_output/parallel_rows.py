@@ -141,6 +141,10 @@ class Choice:
             False: deque(maxlen=WINDOW), True: deque(maxlen=WINDOW)}
         self.steps = 0
         self.seen = {False: False, True: False}
+        # Every walk's wall time per row on the engine thread, whichever
+        # way it ran (`row_ns`); the first walk is not kept (cold).
+        self.walks: deque[float] = deque(maxlen=WINDOW)
+        self.walked = False
 
     def threaded(self) -> bool:
         self.steps += 1
@@ -162,6 +166,13 @@ class Choice:
             return 1.0
         s, t = statistics.median(serial), statistics.median(threaded)
         return min(1.0, t / s) if s > 0 else 1.0
+
+    def record_walk(self, ns: int, rows: int) -> None:
+        if not self.walked:
+            self.walked = True
+            return
+        if rows > 0:
+            self.walks.append(ns / rows)
 
     def record(self, threaded: bool, ns: int, rows: int) -> None:
         if not self.seen[threaded]:
@@ -212,12 +223,39 @@ def row_factor(manager: Any, rows: int) -> float:
     return 1.0 if c is None else c.ratio()
 
 
+def row_ns(manager: Any) -> float | None:
+    """What a verification row cost this manager's engine thread on its
+    last walks (ns, wall time per row, the median; threaded or serial, as
+    they ran), None before two walks. Grammar-aware drafting prices the rows
+    its drafts add to the scheduler's walk with it (in-process executor):
+    the real thing, where a row filled on the drafter's side read 2-4x off
+    it (a 32k row right after the drafter's walk read 44 us where the
+    scheduler's cost 20; a 131k row filled along the drafts read 20 us where
+    the scheduler's cost 44: it writes each row into its batch's bitmask, 16
+    KB a row at 131k tokens)."""
+    c = getattr(manager, _CHOICE_ATTR, None) if manager is not None else None
+    if c is None or not c.walks:
+        return None
+    return statistics.median(c.walks)
+
+
 def walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
          ids: list[str], spec: dict[str, list[int]], stride: int | None
          ) -> Any:
     """The batch's bitmask, its requests walked by `walk_serial` (stock's
     `grammar_bitmask`, or a wrapper of it) in chunks side by side. Same
-    rows as one serial call; serial when `wanted` or `plan` says so."""
+    rows as one serial call; serial when `wanted` or `plan` says so. Each
+    walk's wall time per row is recorded (`row_ns`)."""
+    t0 = time.perf_counter_ns()
+    out = _walk(manager, walk_serial, requests, ids, spec, stride)
+    rows = sum(row_counts(ids, spec, stride))
+    choice(manager).record_walk(time.perf_counter_ns() - t0, rows)
+    return out
+
+
+def _walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
+          ids: list[str], spec: dict[str, list[int]], stride: int | None
+          ) -> Any:
     if not wanted(manager, ids):
         STATS.count(1)
         return walk_serial(manager, requests, ids, spec)
