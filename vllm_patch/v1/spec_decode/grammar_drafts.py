@@ -970,9 +970,7 @@ def _verify_row_factor(t: Tracker, rows: int) -> float:
     scheduler's manager is in this process; a multiprocess worker's own
     manager is not the scheduler's (it verifies nothing and measures no
     walk), so there a row is priced as a serial fill: 1.0."""
-    if t.local_manager is not None or t.manager_ref is None:
-        return 1.0
-    manager = t.manager_ref()
+    manager = _scheduler_manager(t)
     if manager is None:
         return 1.0
     from vllm_patch.v1.structured_output import parallel_rows

@@ -247,19 +247,18 @@ def walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
     rows as one serial call; serial when `wanted` or `plan` says so. Each
     walk's wall time per row is recorded (`row_ns`)."""
     t0 = time.perf_counter_ns()
-    out = _walk(manager, walk_serial, requests, ids, spec, stride)
-    rows = sum(row_counts(ids, spec, stride))
-    choice(manager).record_walk(time.perf_counter_ns() - t0, rows)
+    counts = row_counts(ids, spec, stride)
+    out = _walk(manager, walk_serial, requests, ids, spec, counts)
+    choice(manager).record_walk(time.perf_counter_ns() - t0, sum(counts))
     return out
 
 
 def _walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
-          ids: list[str], spec: dict[str, list[int]], stride: int | None
+          ids: list[str], spec: dict[str, list[int]], counts: list[int]
           ) -> Any:
     if not wanted(manager, ids):
         STATS.count(1)
         return walk_serial(manager, requests, ids, spec)
-    counts = row_counts(ids, spec, stride)
     ranges = plan(counts)
     if len(ranges) == 1:
         STATS.count(1)
