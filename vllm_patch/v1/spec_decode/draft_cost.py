@@ -36,11 +36,11 @@ Both sides are measured on the running worker, per step of its drafter:
   walks, threaded or serial as they ran), where this process holds the
   scheduler's manager (the in-process executor: one GPU per engine). A
   row filled on the drafter's side is 2-4x off that either way: one fill
-  right after the walk read 44 us at a 32k vocabulary where the
-  scheduler's added rows cost 20 (cold caches, a document's first
-  position), and a fill along the drafts read 20 us at 131k where they
-  cost 44 (the scheduler writes each row into its batch's bitmask, 16 KB
-  a row). Where the scheduler is in another process (a multiprocess
+  right after the walk read 48-66 us at a 32k vocabulary where the
+  scheduler's added rows cost 15-26 (cold caches, a document's first
+  position), and a fill along the drafts read 12-21 us at 131k where they
+  cost 44-52 (the scheduler writes each row into its batch's bitmask, 16
+  KB a row). Where the scheduler is in another process (a multiprocess
   worker), a row is priced at one row fill of a shadow, measured every
   `FILL_SAMPLE_EVERY` walking steps (the same grammar, the same
   vocabulary), a serial fill's price. Only walking

@@ -227,12 +227,8 @@ def row_ns(manager: Any) -> float | None:
     """What a verification row cost this manager's engine thread on its
     last walks (ns, wall time per row, the median; threaded or serial, as
     they ran), None before two walks. Grammar-aware drafting prices the rows
-    its drafts add to the scheduler's walk with it (in-process executor):
-    the real thing, where a row filled on the drafter's side read 2-4x off
-    it (a 32k row right after the drafter's walk read 44 us where the
-    scheduler's cost 20; a 131k row filled along the drafts read 20 us where
-    the scheduler's cost 44: it writes each row into its batch's bitmask, 16
-    KB a row at 131k tokens)."""
+    its drafts add to the scheduler's walk with it (in-process executor;
+    why: `vllm_patch.v1.spec_decode.draft_cost`)."""
     c = getattr(manager, _CHOICE_ATTR, None) if manager is not None else None
     if c is None or not c.walks:
         return None
