@@ -1,13 +1,16 @@
-"""Speculative verification rows on vLLM's fill threads (scheduler tier).
+"""Speculative verification rows on several threads (scheduler tier).
 
-The real Scheduler and xgrammar grammars, a batch large enough for vLLM to
-create its fill pool (`max_num_seqs` > 128) and for the walk to be threaded
-(MIN_ROWS rows): requests whose drafts end the grammar, hit an invalid
-token, or are all valid, sync and async (-1 padding). Patched: the step's
-bitmask is built on the pool's threads and equals, row for row, the serial
-walk of the same step, and G3's rows (stop tokens only after a terminal
-draft) are in it. Stock (VLLM_PATCH_DISABLE=1): vLLM never uses the pool
-when there are drafts: every row is filled on the engine thread.
+The real Scheduler and real xgrammar and llguidance grammars, a batch large
+enough for vLLM to create its fill pool (`max_num_seqs` > 128) and for the
+walk to be threaded (MIN_ROWS rows): requests whose drafts end the grammar,
+hit an invalid token, or are all valid, sync and async (-1 padding), and
+the same walk over drafts the scheduler did not trim (invalid tokens inside
+the walk). Patched: the step's bitmask is built on several threads (xgrammar:
+vLLM's fill pool; llguidance: the library's batch walk on its own threads)
+and equals, row for row, the serial walk of the same step, and G3's rows
+(stop tokens only after a terminal draft) are in it. Stock
+(VLLM_PATCH_DISABLE=1): vLLM never fills rows in parallel when there are
+drafts: every row is filled on the engine thread.
 
 The threaded walk is its own patch (`parallel-verify-rows`), so it applies
 whether G3's rows come from the plugin (`g3-bitmask-rows`, on a released
@@ -42,6 +45,42 @@ def _spy_pool(manager):
     return calls
 
 
+def _spy_library_walk(monkeypatch):
+    """Count llguidance's batch walks (the threaded walk with guidance)."""
+    import llguidance.torch as llt
+
+    calls = []
+    walk = llt.fill_next_token_bitmask_par_with_draft_tokens
+
+    def counted(*a, **kw):
+        calls.append(a)
+        return walk(*a, **kw)
+
+    monkeypatch.setattr(llt, "fill_next_token_bitmask_par_with_draft_tokens",
+                        counted)
+    return calls
+
+
+def _saved_grammars(h, ids):
+    """A function that puts the requests' grammars back as they are now
+    (an llguidance grammar's matcher is copied; others keep no state a
+    walk leaves behind: xgrammar refuses a token without moving)."""
+    saved = []
+    for rid in ids:
+        g = h.requests[rid].structured_output_request.grammar
+        matcher = getattr(g, "ll_matcher", None)
+        saved.append((g, dict(vars(g)),
+                      matcher.deep_copy() if matcher is not None else None))
+
+    def restore():
+        for g, fields, matcher in saved:
+            vars(g).update(fields)
+            if matcher is not None:
+                g.ll_matcher = matcher.deep_copy()
+
+    return restore
+
+
 def _batch(h, n):
     a, b, c, x = (h.tok(t) for t in "abcx")
     rids = [h.add_request(regex=REGEXES[i % len(REGEXES)], ignore_eos=i % 2 == 0)
@@ -55,12 +94,14 @@ def _batch(h, n):
     return rids, drafts, a
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
-def test_threaded_rows_equal_serial_rows(patched, native, async_, monkeypatch):
+def test_threaded_rows_equal_serial_rows(patched, native, async_, backend,
+                                         monkeypatch):
     from vllm_patch.testing.harness import EOS, Harness
     from vllm_patch.v1.structured_output import parallel_rows
 
-    h = Harness("xgrammar", num_spec_tokens=3, async_scheduling=async_,
+    h = Harness(backend, num_spec_tokens=3, async_scheduling=async_,
                 max_num_seqs=192, num_blocks=512, max_num_batched_tokens=4096)
     manager = h.scheduler.structured_output_manager
     assert manager.executor_for_fillmask is not None  # vLLM made its pool
@@ -87,13 +128,14 @@ def test_threaded_rows_equal_serial_rows(patched, native, async_, monkeypatch):
         assert any(-1 in t for t in spec.values())  # padding after invalid drafts
     ids = [r for r in rids if r in so.num_scheduled_tokens]
 
-    calls = _spy_pool(manager)
+    calls = (_spy_pool(manager) if backend == "xgrammar"
+             else _spy_library_walk(monkeypatch))
+
     threaded = np.array(manager.grammar_bitmask(h.requests, ids, spec))
     used = len(calls)
     monkeypatch.setenv("VLLM_PATCH_PARALLEL_VERIFY", "0")
-    calls.clear()
     serial = np.array(manager.grammar_bitmask(h.requests, ids, spec))
-    assert not calls
+    assert len(calls) == used  # the serial walk uses no threads
     monkeypatch.delenv("VLLM_PATCH_PARALLEL_VERIFY")
     assert threaded.shape == serial.shape
     assert (threaded == serial).all()  # same rows, row for row
@@ -118,8 +160,9 @@ def test_threaded_rows_equal_serial_rows(patched, native, async_, monkeypatch):
     if patched or "g3-bitmask-rows" in native:  # a build's own rows too
         assert not any(full)
         for r, at_padding in checked:
-            if at_padding is None:
-                assert h.allowed(r) == [EOS, 3]  # stop tokens (EOS, im_end)
+            if at_padding is None:  # stop tokens (xgrammar: EOS, im_end)
+                assert h.allowed(r) == ([EOS, 3] if backend == "xgrammar"
+                                        else [EOS])
             else:
                 assert (r == at_padding).all()
     else:
@@ -127,10 +170,41 @@ def test_threaded_rows_equal_serial_rows(patched, native, async_, monkeypatch):
     # Every grammar is back where it was: the same walk once more is equal.
     again = np.array(manager.grammar_bitmask(h.requests, ids, spec))
     assert (again == serial).all()
+    # Drafts the scheduler did not trim: invalid tokens in the walk (stock
+    # repeats the row of the refused draft); async, as the engine hands the
+    # worker's drafts over (the valid prefix, then -1). Stock's serial walk
+    # leaves an llguidance matcher in its error state after a refused draft
+    # (its rollback does not undo that; a real step never has such a draft,
+    # the scheduler trims them first), so each walk starts from the same
+    # saved grammars, and the step's own walk after them.
+    raw = {r: list(drafts[r]) for r in ids}
+    if async_:
+        for r, toks in raw.items():
+            valid = manager.validate_tokens(h.requests[r], toks)
+            raw[r] = valid + [-1] * (len(toks) - len(valid))
+    assert any(raw[r] != spec.get(r, []) for r in ids)
+    restore = _saved_grammars(h, ids)
+    monkeypatch.setenv("VLLM_PATCH_PARALLEL_VERIFY", "0")
+    serial_raw = np.array(manager.grammar_bitmask(h.requests, ids, raw))
+    monkeypatch.delenv("VLLM_PATCH_PARALLEL_VERIFY")
+    restore()
+    threaded_raw = np.array(manager.grammar_bitmask(h.requests, ids, raw))
+    restore()
+    assert (threaded_raw == serial_raw).all()
+    # 0.33 leaves a request's rows past its drafts as they were (k + 1 rows
+    # each): the step's walk starts from the rows it left.
+    import torch
+    manager._grammar_bitmask[:len(serial)].copy_(torch.from_numpy(serial))
+    assert (np.array(manager.grammar_bitmask(h.requests, ids, spec))
+            == serial).all()
     if patched:
-        assert used >= 1  # the pool walked chunks beside the engine thread
+        # xgrammar: the pool walked chunks beside the engine thread, also
+        # for the step's own drafts (-1 placeholders, async); llguidance:
+        # the library walked the requests whose drafts are real tokens.
+        assert used >= 1 or (backend == "guidance" and async_)
+        assert len(calls) >= 1
     else:
-        assert used == 0  # stock: with drafts, never on the pool
+        assert len(calls) == 0  # stock: with drafts, never on threads
 
 
 def test_drafting_prices_rows_at_the_threaded_walk(patched, monkeypatch, caplog):
@@ -327,8 +401,10 @@ def test_plan_and_gates():
     ids = ["a", "b"]
     assert pr.wanted(manager("XgrammarBackend", 131072), ids)
     assert pr.wanted(manager("XgrammarBackend", pr.MIN_VOCAB), ids)
-    # Its fill holds the GIL.
-    assert not pr.wanted(manager("GuidanceBackend", 131072), ids)
+    # llguidance walks the batch on its own threads.
+    assert pr.wanted(manager("GuidanceBackend", 131072), ids)
+    # Outlines' fill holds the GIL and has no batch walk.
+    assert not pr.wanted(manager("OutlinesBackend", 131072), ids)
     # A 32k vocabulary's fills are too short for threads to pay.
     assert not pr.wanted(manager("XgrammarBackend", 32768), ids)
     assert pr.row_factor(manager("XgrammarBackend", 32768), 1024) == 1.0

@@ -11,18 +11,30 @@ but only without drafts, because the walk accepts and rolls back between
 fills.
 
 Each request's walk is independent of the others' (its own grammar, its own
-rows), so the batch splits into contiguous chunks of about CHUNK_ROWS rows,
-which the engine thread and vLLM's fill threads take one after another, and
-each chunk is walked by the stock method itself, on a shallow copy of the
-manager whose bitmask is the chunk's slice of the batch's bitmask. The rows,
-the grammar calls and their order within a request are stock's; only
-requests run side by side.
+rows), so:
 
-Threads pay only where a row's fill (xgrammar releases the GIL while it
-fills) outweighs the Python around it, which holds the GIL: measured on two
-lanes, 1.4-1.6x at a 131k vocabulary and B >= 128, nothing at 32k, a loss
-below about 128 rows. So the walk is threaded only with xgrammar
-(llguidance's single-row fill measured no gain), a vocabulary of at least
+- xgrammar: the batch splits into contiguous chunks of about CHUNK_ROWS
+  rows, which the engine thread and vLLM's fill threads take one after
+  another, and each chunk is walked by the stock method itself, on a
+  shallow copy of the manager whose bitmask is the chunk's slice of the
+  batch's bitmask. The rows, the grammar calls and their order within a
+  request are stock's; only requests run side by side.
+- llguidance (guidance backend): its single-row fill gains nothing on
+  Python threads, but the library walks a whole batch itself
+  (`fill_next_token_bitmask_par_with_draft_tokens`: for each request the
+  row before each draft and the bonus row, accepting the drafts and rolling
+  them back, on its own thread pool, the GIL released). The batch is handed
+  to it on a pool of as many threads as the threaded xgrammar walk has
+  lanes. It takes only the requests whose rows it fills as stock does:
+  grammar-valid drafts with no stop token and no -1 padding, a grammar not
+  ended, no reasoning before the constraint. Every other request, and any
+  request whose drafts its rows do not allow (checked on the filled rows),
+  is walked by the stock method on its own rows.
+
+Threads pay only where a row's fill outweighs the Python around it, which
+holds the GIL: measured on two lanes, 1.4-1.7x at a 131k vocabulary and
+B >= 128, nothing at 32k (xgrammar), a loss below about 128 rows. So the
+walk is threaded only with xgrammar or llguidance, a vocabulary of at least
 MIN_VOCAB tokens, vLLM's fill pool present (it exists when `max_num_seqs`
 > 128), at least MIN_ROWS rows, and where the manager's own measurements
 (`Choice`: wall time per row, serial against threaded) say threads are
@@ -65,8 +77,10 @@ MIN_VOCAB = 65536
 WINDOW = 5
 PROBE_EVERY = 100
 _CHOICE_ATTR = "_vllm_patch_parallel_rows_choice"
-# Backends whose row fill releases the GIL.
-PARALLEL_BACKENDS = frozenset({"XgrammarBackend"})
+# Backends whose rows fill on several threads: xgrammar's row fill releases
+# the GIL; llguidance walks a batch's drafts on its own threads.
+PARALLEL_BACKENDS = frozenset({"XgrammarBackend", "GuidanceBackend"})
+_LL_EXECUTOR_ATTR = "_vllm_patch_parallel_rows_ll_executor"
 
 
 class _Stats:
@@ -191,7 +205,7 @@ def choice(manager: Any) -> Choice:
 
 def _may_thread(manager: Any) -> bool:
     """The gates of a threaded walk that do not depend on the step: vLLM's
-    fill pool present, a backend whose row fill releases the GIL, a
+    fill pool present, a backend whose rows fill on several threads, a
     vocabulary large enough for its fills to pay on threads, the switch."""
     if lanes(manager) < 2:
         return False
@@ -277,6 +291,11 @@ def _walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
         STATS.count(1)
         return walk_serial(manager, requests, ids, spec)
     offsets = np.concatenate(([0], np.cumsum(counts))).tolist()
+    if type(manager.backend).__name__ == "GuidanceBackend":
+        _guidance_walk(manager, walk_serial, requests, ids, spec, offsets, full)
+        decide.record(True, time.perf_counter_ns() - t0, total)
+        STATS.count(len(ranges))
+        return full[:total].numpy()
 
     def chunk(lo: int, hi: int) -> None:
         view = copy.copy(manager)
@@ -311,6 +330,74 @@ def _walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
     decide.record(True, time.perf_counter_ns() - t0, total)
     STATS.count(len(ranges))
     return full[:total].numpy()
+
+
+def _ll_executor(manager: Any) -> Any:
+    """llguidance's thread pool for this manager: as many threads as the
+    threaded walk has lanes (vLLM's fill threads and the engine thread,
+    which waits while the library walks)."""
+    ex = getattr(manager, _LL_EXECUTOR_ATTR, None)
+    if ex is None:
+        from llguidance import LLExecutor
+
+        ex = LLExecutor(num_threads=lanes(manager))
+        setattr(manager, _LL_EXECUTOR_ATTR, ex)
+    return ex
+
+
+def _guidance_walk(manager: Any, walk_serial: Callable[..., Any],
+                   requests: Any, ids: list[str], spec: dict[str, list[int]],
+                   offsets: list[int], full: Any) -> None:
+    """The batch's rows into `full`, walked by llguidance on its own threads
+    where it fills them as stock does, by `walk_serial` on a request's own
+    rows elsewhere (see the module's docstring)."""
+    import llguidance.torch as llt
+
+    drafted: list[tuple[Any, int, list[int]]] = []
+    plain: list[tuple[Any, int]] = []
+    grammars: list[Any] = []
+    alone: set[int] = set()
+    check_rows: list[int] = []
+    check_tokens: list[int] = []
+    owner: list[int] = []
+    for i, rid in enumerate(ids):
+        request = requests[rid]
+        grammar = request.structured_output_request.grammar
+        drafts = spec.get(rid) or []
+        matcher = getattr(grammar, "ll_matcher", None)
+        if (matcher is None or grammar.is_terminated() or matcher.is_stopped()
+                or -1 in drafts or grammar.ll_tokenizer.eos_token in drafts
+                or tuple(manager._get_constraint_bounds(request, drafts)) != (0, 0)):
+            alone.add(i)
+            continue
+        grammars.append(grammar)
+        row = offsets[i]
+        if drafts:
+            drafted.append((matcher, row, list(drafts)))
+            check_rows.extend(range(row, row + len(drafts)))
+            check_tokens.extend(drafts)
+            owner.extend([i] * len(drafts))
+        else:
+            plain.append((matcher, row))
+    executor = _ll_executor(manager)
+    if drafted:
+        llt.fill_next_token_bitmask_par_with_draft_tokens(executor, drafted, full)
+    if plain:
+        llt.fill_next_token_bitmask_par(executor, plain, full)
+    if check_tokens:
+        # A draft its row does not allow: stock's walk fails to accept it
+        # and repeats that row after it; the library's later rows differ.
+        rows = np.asarray(check_rows)
+        tokens = np.asarray(check_tokens)
+        words = full.numpy()[rows, tokens >> 5]
+        refused = ((words >> (tokens & 31)) & 1) == 0
+        alone.update(owner[j] for j in np.flatnonzero(refused).tolist())
+    for i in sorted(alone):
+        view = copy.copy(manager)
+        view._grammar_bitmask = full[offsets[i]:offsets[i + 1]]
+        walk_serial(view, requests, [ids[i]], spec)
+    for grammar in grammars:
+        grammar.check_error()  # as stock after a fill: logs an error once
 
 
 def _make_grammar_bitmask(original: Any) -> Any:
@@ -348,9 +435,10 @@ PATCHES: list[Patch] = [
         how=("a large xgrammar batch (a vocabulary of 64k tokens or more) is "
              "walked in contiguous request chunks "
              "by vLLM's own grammar_bitmask, on the engine thread and vLLM's "
-             "fill threads, where the manager's measurements say that is "
-             "faster; the same rows as one serial walk "
-             "(VLLM_PATCH_PARALLEL_VERIFY=0: serial)"),
+             "fill threads; a large llguidance batch by llguidance's own "
+             "batch walk on as many threads; where the manager's "
+             "measurements say that is faster; the same rows as one serial "
+             "walk (VLLM_PATCH_PARALLEL_VERIFY=0: serial)"),
         upstream="none",
         remove_when="vLLM fills speculative rows on its fill pool",
         pins=(pin(
@@ -360,6 +448,20 @@ PATCHES: list[Patch] = [
             "only its own rows and grammar (rolled back after); the bitmask "
             "is allocated on first use as max_num_seqs * (1 + k) rows; "
             "returns the first rows of self._grammar_bitmask as numpy",
-            on_build=True),),
+            on_build=True),
+            pin("vllm.v1.structured_output:StructuredOutputManager."
+                "_get_constraint_bounds",
+                "(0, 0) when every row is constrained and every draft fed to "
+                "the grammar (no reasoning before the constraint)"),
+            pin("vllm.v1.structured_output.backend_guidance:"
+                "GuidanceGrammar.accept_tokens",
+                "a draft is consumed by self.ll_matcher; only a stop token "
+                "(ll_tokenizer.eos_token) sets the grammar's own terminated "
+                "state, which the library's walk does not see"),
+            pin("vllm.v1.structured_output.backend_guidance:"
+                "GuidanceGrammar.fill_bitmask",
+                "a row is llguidance's mask of self.ll_matcher (the stop "
+                "token alone once stopped or in error), what the library's "
+                "batch walk writes")),
     ),
 ]
