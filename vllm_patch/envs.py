@@ -153,7 +153,8 @@ ENV_VARS: dict[str, str] = {
     "VLLM_PATCH_PARALLEL_VERIFY": (
         "0 fills the speculative verification rows on the engine thread "
         "alone, as stock does (default: on vLLM's fill threads for large "
-        "xgrammar batches)"
+        "xgrammar batches, by llguidance's batch walk for large guidance "
+        "batches)"
     ),
 }
 
