@@ -120,6 +120,11 @@ BUILD_DIGESTS: dict[str, dict[str, str]] = {
     # still applies; from 0012 on (vllmpatch.6) the build carries G1 and the
     # plugin applies none of G1's patches there.
     _S + "schedule": {"0.32": "0d449dfca162dc51", "0.33": "f6c0de308544d95b"},
+    # 0004 (G2): a guidance grammar is terminated by a stop token it
+    # consumed (a stopped matcher refuses any other token); for drafts with
+    # no stop token it consumes them as the release does.
+    _SO + "backend_guidance:GuidanceGrammar.accept_tokens":
+        _both("5351213effeb39a7"),
 }
 
 

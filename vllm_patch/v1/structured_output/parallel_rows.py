@@ -457,7 +457,8 @@ PATCHES: list[Patch] = [
                 "GuidanceGrammar.accept_tokens",
                 "a draft is consumed by self.ll_matcher; only a stop token "
                 "(ll_tokenizer.eos_token) sets the grammar's own terminated "
-                "state, which the library's walk does not see"),
+                "state, which the library's walk does not see",
+                on_build=True),
             pin("vllm.v1.structured_output.backend_guidance:"
                 "GuidanceGrammar.fill_bitmask",
                 "a row is llguidance's mask of self.ll_matcher (the stop "
