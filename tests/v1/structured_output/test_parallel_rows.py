@@ -490,17 +490,25 @@ def test_own_patch_applies_when_g3_rows_are_the_builds(monkeypatch):
 
 @pytest.mark.patched_only
 def test_build_digest_is_accepted_only_for_the_pinned_function():
-    """The threaded walk's pin accepts the release's grammar_bitmask and the
-    patched build's (BUILD_DIGESTS), nothing else."""
+    """The threaded walk's pins accept the release's grammar_bitmask and
+    guidance accept_tokens and the patched build's (BUILD_DIGESTS: the
+    series changes both), the release's source alone elsewhere."""
     from vllm_patch import audited
     from vllm_patch.patching import REGISTRY
 
-    (p,) = REGISTRY.patches["parallel-verify-rows"].pins
-    target = "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask"
-    assert p.target == target
-    assert p.digests == audited.DIGESTS[target]
-    assert p.build_digests == audited.BUILD_DIGESTS[target]
-    assert set(p.build_digests.values()).isdisjoint(p.digests.values())
+    pins = {p.target: p for p in REGISTRY.patches["parallel-verify-rows"].pins}
+    on_build = {
+        "vllm.v1.structured_output:StructuredOutputManager.grammar_bitmask",
+        "vllm.v1.structured_output.backend_guidance:GuidanceGrammar.accept_tokens",
+    }
+    assert on_build < set(pins)
+    for target, p in pins.items():
+        assert p.digests == audited.DIGESTS[target]
+        if target in on_build:
+            assert p.build_digests == audited.BUILD_DIGESTS[target]
+            assert set(p.build_digests.values()).isdisjoint(p.digests.values())
+        else:
+            assert not p.build_digests and target not in audited.BUILD_DIGESTS
     # G3's row patch is not applied on such a build: it accepts no build digest.
     assert all(not q.build_digests
                for q in REGISTRY.patches["g3-bitmask-rows"].pins)
