@@ -32,8 +32,10 @@ rows), so:
   is walked by the stock method on its own rows.
 
 Threads pay only where a row's fill outweighs the Python around it, which
-holds the GIL: measured on two lanes, 1.4-1.7x at a 131k vocabulary and
-B >= 128, nothing at 32k (xgrammar), a loss below about 128 rows. So the
+holds the GIL: measured on two lanes at a 131k vocabulary, 1.1-1.7x from
+B=128 with xgrammar, up to 1.4x with llguidance where rows are dear (k=7,
+B >= 128; nothing at k=1); nothing at 32k (xgrammar), a loss below about
+128 rows. So the
 walk is threaded only with xgrammar or llguidance, a vocabulary of at least
 MIN_VOCAB tokens, vLLM's fill pool present (it exists when `max_num_seqs`
 > 128), at least MIN_ROWS rows, and where the manager's own measurements
