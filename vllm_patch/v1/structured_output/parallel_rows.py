@@ -300,9 +300,8 @@ def _walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
         return full[:total].numpy()
 
     def chunk(lo: int, hi: int) -> None:
-        view = copy.copy(manager)
-        view._grammar_bitmask = full[offsets[lo]:offsets[hi]]
-        walk_serial(view, requests, ids[lo:hi], spec)
+        _walk_range(manager, walk_serial, requests, ids, spec, offsets, full,
+                    lo, hi)
 
     taken = itertools.count()  # next() is atomic under the GIL
 
@@ -332,6 +331,16 @@ def _walk(manager: Any, walk_serial: Callable[..., Any], requests: Any,
     decide.record(True, time.perf_counter_ns() - t0, total)
     STATS.count(len(ranges))
     return full[:total].numpy()
+
+
+def _walk_range(manager: Any, walk_serial: Callable[..., Any], requests: Any,
+                ids: list[str], spec: dict[str, list[int]], offsets: list[int],
+                full: Any, lo: int, hi: int) -> None:
+    """Requests ids[lo:hi] walked by `walk_serial` into their own rows of
+    `full`: on a shallow copy of the manager whose bitmask is that slice."""
+    view = copy.copy(manager)
+    view._grammar_bitmask = full[offsets[lo]:offsets[hi]]
+    walk_serial(view, requests, ids[lo:hi], spec)
 
 
 def _ll_executor(manager: Any) -> Any:
@@ -395,9 +404,8 @@ def _guidance_walk(manager: Any, walk_serial: Callable[..., Any],
         refused = ((words >> (tokens & 31)) & 1) == 0
         alone.update(owner[j] for j in np.flatnonzero(refused).tolist())
     for i in sorted(alone):
-        view = copy.copy(manager)
-        view._grammar_bitmask = full[offsets[i]:offsets[i + 1]]
-        walk_serial(view, requests, [ids[i]], spec)
+        _walk_range(manager, walk_serial, requests, ids, spec, offsets, full,
+                    i, i + 1)
     for grammar in grammars:
         grammar.check_error()  # as stock after a fill: logs an error once
 
