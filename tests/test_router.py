@@ -404,3 +404,92 @@ def test_a_role_with_no_instance_left_is_openai_503(stack):
         assert requests.get(lone.url + "/health", timeout=30).status_code == 200
     finally:
         lone.stop()
+
+
+def _closes_kept_connections(role: str, seen: list):
+    """A stand-in that closes a connection which already served a request
+    when the next request arrives on it, unanswered: what the router meets
+    when an instance's keep-alive timer closes an idle connection just as
+    a request is written into it (vLLM's server closes one after 5 s idle;
+    on a loaded host the router can still take it for a live one)."""
+    from aiohttp import web
+
+    served: list = []  # the connections' handlers (kept: an id may be reused)
+
+    async def completions(request):
+        if any(p is request.protocol for p in served):
+            seen.append((role, "closed"))
+            request.transport.close()
+            return web.Response()  # never reaches the router
+        served.append(request.protocol)
+        await request.json()
+        seen.append((role, "answered"))
+        body = ({"choices": [{"text": "x"}], "kv_transfer_params": {"from": role}}
+                if role == "prefill" else
+                {"id": "c", "object": "text_completion", "created": 0, "model": "tiny",
+                 "choices": [{"index": 0, "text": "hi", "finish_reason": "stop",
+                              "logprobs": None}]})
+        return web.json_response(body)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def test_a_kept_connection_the_instance_closed_is_sent_again_on_a_new_one():
+    """Both instances close every kept connection under the next request:
+    each completion is still answered (its prefill and its decode resent
+    once, on new connections, and counted), where a router that only reused
+    its connections answered 502 "Server disconnected". A request that
+    fails on a new connection is not sent again."""
+    import requests
+
+    from vllm_patch.launch.router import ProxyThread
+
+    seen: list = []
+    prefill = Served(_closes_kept_connections("prefill", seen))
+    decode = Served(_closes_kept_connections("decode", seen))
+    router = ProxyThread([prefill.url], [decode.url])
+    try:
+        for i in range(4):
+            r = requests.post(router.url + "/v1/completions",
+                              json={"model": "tiny", "prompt": f"p{i}"}, timeout=30)
+            assert r.status_code == 200, (i, r.text, seen)
+            assert r.json()["choices"][0]["text"] == "hi"
+        # requests 1 and 3 open connections that are kept; requests 2 and 4
+        # meet them closed on both sides and are resent once, on connections
+        # that are not kept
+        assert [e for _, e in seen].count("answered") == 8, seen
+        assert [e for _, e in seen].count("closed") == 4, seen
+        assert router.router.counts["stale_retries"] == 4
+    finally:
+        router.stop()
+        decode.stop()
+        prefill.stop()
+
+    # an instance that drops every request, on new connections too: one
+    # resend at most, then the client's 502
+    from aiohttp import web
+
+    tries: list = []
+
+    async def drop(request):
+        tries.append(request.protocol)
+        request.transport.close()
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", drop)
+    dead = Served(app)
+    prefill = Served(fake_instance("prefill", []))
+    router = ProxyThread([prefill.url], [dead.url])
+    try:
+        r = requests.post(router.url + "/v1/completions",
+                          json={"model": "tiny", "prompt": "x"}, timeout=30)
+        err = _openai_error(r, 502)
+        assert "Server disconnected" in err["message"], err
+        assert len(tries) == 1, tries  # a new connection: not resent
+    finally:
+        router.stop()
+        dead.stop()
+        prefill.stop()

@@ -30,6 +30,16 @@ request goes to the next one (nothing was sent, so nothing runs twice);
 with one instance left, the router waits for it as long as the request's
 own timeout (a short partition then only delays the request).
 
+Connections to the instances are kept for reuse (KEEPALIVE_S). An instance
+may close an idle one just as the router writes a request into it (its
+keep-alive timer firing while the router's answer to the previous request
+is still on its way, more likely on a loaded host): the request then meets
+"Server disconnected" before any answer. Such a request, on a reused
+connection with no answer begun, is sent once more on a new connection to
+the same instance (counted as `stale_retries`), as HTTP clients such as
+Go's do for a closed idle connection; a request that fails on a new
+connection is not sent again (the instance itself failed).
+
 GET /health: 200 when every instance answers /health with 200 within
 HEALTH_TIMEOUT_S; else 503; the body maps each instance to its status (599:
 no answer). An instance the launcher reports lost (set_instances) stays in
@@ -68,8 +78,9 @@ import threading
 import uuid
 from http import HTTPStatus
 
-from aiohttp import (ClientConnectorError, ClientError, ClientSession, ClientTimeout,
-                     ConnectionTimeoutError, TCPConnector, web)
+from aiohttp import (ClientConnectorError, ClientError, ClientOSError, ClientSession,
+                     ClientTimeout, ConnectionTimeoutError, ServerDisconnectedError,
+                     TCPConnector, TraceConfig, web)
 
 from vllm_patch.launch.supervisor import free_port
 
@@ -93,11 +104,11 @@ READ_TIMEOUT_S = 60.0
 HEALTH_TIMEOUT_S = 3.0
 # Seconds an idle connection to an instance is kept for reuse: below the 5 s
 # after which vLLM's server (uvicorn, VLLM_HTTP_TIMEOUT_KEEP_ALIVE) closes an
-# idle one, so a request is never written into a connection the server is
-# closing or has closed (it then fails with "Server disconnected"; aiohttp's
-# default keeps them 15 s). A partition makes that likely: the server's
-# close is lost with the link, and a request written meanwhile meets a reset
-# once the link is back.
+# idle one, so a request is rarely written into a connection the server is
+# closing or has closed (aiohttp's default keeps them 15 s). Rarely, not
+# never: the router's clock can lag the server's (a loaded host), and a
+# partition loses the server's close with the link; such a request is sent
+# again on a new connection (_post).
 KEEPALIVE_S = 3.0
 METRICS_TIMEOUT_S = 5.0
 # With another instance of the role to try: how long to wait for a TCP
@@ -168,6 +179,12 @@ def decode_body(body: dict, kv_transfer_params: dict | None) -> dict:
     return d
 
 
+async def _mark_reused(session, ctx, params) -> None:
+    """aiohttp trace hook: the request goes out on a kept connection."""
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
+
+
 class Router:
     def __init__(self, prefill: list[str], decode: list[str],
                  timeout_s: float = 600.0) -> None:
@@ -181,8 +198,11 @@ class Router:
         self._r = itertools.count()  # round robin of read-only requests
         self.timeout = ClientTimeout(total=timeout_s)
         self.session: ClientSession | None = None
+        # new connections only: the one resend of a request whose reused
+        # connection the instance had closed
+        self.fresh: ClientSession | None = None
         self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0,
-                       "skipped": 0}
+                       "skipped": 0, "stale_retries": 0}
 
     def set_instances(self, prefill: list[str], decode: list[str],
                       lost: list[str] = ()) -> None:
@@ -208,32 +228,50 @@ class Router:
         that refuses, or does not connect within CONNECT_TIMEOUT_S while
         another is left to try, is marked down and skipped; the last one
         is given the request's whole timeout. Raises the last error."""
-        assert self.session is not None
+        assert self.session is not None and self.fresh is not None
         for n, url in enumerate(urls):
             last = n == len(urls) - 1
             timeout = self.timeout if last else ClientTimeout(
                 total=self.timeout.total, sock_connect=CONNECT_TIMEOUT_S)
-            cm = self.session.post(url + path, json=body, headers=headers,
-                                   timeout=timeout)
-            try:
-                return url, cm, await cm.__aenter__()
-            except (ClientConnectorError, ConnectionTimeoutError) as e:
-                # not connected: the request never reached the instance
-                self.down[url] = asyncio.get_running_loop().time()
-                if last:
-                    raise
-                self.counts["skipped"] += 1
-                logger.warning("P/D: cannot connect to %s (%s: %s); trying %s",
-                               url, type(e).__name__, e, urls[n + 1])
+            # a kept connection first; a new one if the instance had closed it
+            for session in (self.session, self.fresh):
+                reuse: dict = {}
+                cm = session.post(url + path, json=body, headers=headers,
+                                  timeout=timeout, trace_request_ctx=reuse)
+                try:
+                    return url, cm, await cm.__aenter__()
+                except (ClientConnectorError, ConnectionTimeoutError) as e:
+                    # not connected: the request never reached the instance
+                    self.down[url] = asyncio.get_running_loop().time()
+                    if last:
+                        raise
+                    self.counts["skipped"] += 1
+                    logger.warning("P/D: cannot connect to %s (%s: %s); trying %s",
+                                   url, type(e).__name__, e, urls[n + 1])
+                    break
+                except (ServerDisconnectedError, ClientOSError) as e:
+                    if session is self.fresh or not reuse.get("reused"):
+                        raise
+                    # a kept connection the instance closed as idle while the
+                    # request was on its way: once more, on a new connection
+                    self.counts["stale_retries"] += 1
+                    logger.info("P/D: %s closed a kept connection under the request "
+                                "(%s: %s); sending it again on a new connection",
+                                url, type(e).__name__, e)
         raise AssertionError("no instance")  # urls is never empty
 
     async def start(self, app: web.Application) -> None:
-        self.session = ClientSession(timeout=self.timeout,
+        reuse = TraceConfig()
+        reuse.on_connection_reuseconn.append(_mark_reused)
+        self.session = ClientSession(timeout=self.timeout, trace_configs=[reuse],
                                      connector=TCPConnector(keepalive_timeout=KEEPALIVE_S))
+        self.fresh = ClientSession(timeout=self.timeout,
+                                   connector=TCPConnector(force_close=True))
 
     async def close(self, app: web.Application) -> None:
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.fresh):
+            if session is not None:
+                await session.close()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 2**20, middlewares=[openai_errors])
