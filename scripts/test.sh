@@ -135,6 +135,7 @@ run() {  # run LABEL MARKERS [ENV=VALUE ...]
     --durations=10 --junitxml="$out/$label.xml" "${PYTEST_ARGS[@]}"
   rc=$?
   printf '===== %s: exit %s after %ss\n' "$label" "$rc" "$((SECONDS - start))"
+  echo "$((SECONDS - start))" > "$out/$label.seconds"
   # 5 = no test collected for these markers: reported by the totals below.
   if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then failed_runs+=("$label (exit $rc)"); fi
 }
@@ -171,13 +172,20 @@ for path in paths:
     row = {k: sum(int(s.get(k, 0)) for s in suites) for k in tot}
     for k in tot: tot[k] += row[k]
     ok = row["tests"] - row["failures"] - row["errors"] - row["skipped"]
-    print(f"  {os.path.basename(path)[:-4]:<14} {ok} passed, "
-          f"{row['failures'] + row['errors']} failed, {row['skipped']} skipped")
+    label = os.path.basename(path)[:-4]
+    try:
+        with open(os.path.join(sys.argv[1], label + ".seconds")) as f:
+            took = f" in {int(f.read())} s"
+    except (OSError, ValueError):
+        took = ""
+    print(f"  {label:<14} {ok} passed, "
+          f"{row['failures'] + row['errors']} failed, {row['skipped']} skipped{took}")
 ok = tot["tests"] - tot["failures"] - tot["errors"] - tot["skipped"]
 print(f"total: {ok} passed, {tot['failures'] + tot['errors']} failed, {tot['skipped']} skipped")
 sys.exit(0 if ok > 0 else 1)
 PY
 summary_rc=$?
+printf 'all runs: %s s (set-up included)\n' "$SECONDS"
 if [ "${#failed_runs[@]}" -gt 0 ]; then
   printf 'FAILED runs: %s\n' "${failed_runs[*]}"
   exit 1
