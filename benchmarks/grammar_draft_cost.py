@@ -176,6 +176,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="cProfile one always-on cell (131k xgrammar, k=4, B=256 "
                          "unless --batch/--k/--vocabs say otherwise) and print "
                          "the hot spots")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the grammar library's own calls inside the "
+                         "always-on lane's drafting (xgrammar: its batched "
+                         "accepts and rollbacks, jump-forward strings, fills; "
+                         "guidance: vLLM's grammar calls, the library plus "
+                         "vLLM's Python around it): per step, the part of the "
+                         "drafting CPU that no change to the Python around "
+                         "them removes")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--render", nargs="+", default=None, metavar="JSON",
                     help="print the table of earlier runs' JSON files and exit")
@@ -340,6 +348,89 @@ class _Model:
 
 
 _ARGMAX = {"ns": 0}
+
+
+# --floor: the grammar library's calls inside the always-on lane's drafting
+# (timed steps only), per call site: thread CPU ns, calls, tokens.
+_FLOOR: dict[str, Any] = {"on": False, "ns": {}, "calls": {}, "items": {}}
+
+
+def _floor_count(name: str, t0: int, items: int = 0) -> None:
+    ns = time.thread_time_ns() - t0
+    f = _FLOOR
+    f["ns"][name] = f["ns"].get(name, 0) + ns
+    f["calls"][name] = f["calls"].get(name, 0) + 1
+    f["items"][name] = f["items"].get(name, 0) + items
+
+
+def _floor_timed(name: str, func: Any, items: Any = None) -> Any:
+    def timed(*a: Any, **kw: Any) -> Any:
+        if not _FLOOR["on"]:
+            return func(*a, **kw)
+        t0 = time.thread_time_ns()
+        try:
+            return func(*a, **kw)
+        finally:
+            _floor_count(name, t0, items(a) if items is not None else 0)
+    return timed
+
+
+def _install_floor(gd: Any) -> None:
+    """Wrap the library calls the drafter makes (once per process)."""
+    if _FLOOR.get("installed"):
+        return
+    _FLOOR["installed"] = True
+    import xgrammar as xgr
+
+    api = gd._batch_api()
+    if api is not None:
+        class _Batch:  # the raw handle API grammar_drafts calls
+            batch_accept_token = staticmethod(_floor_timed(
+                "xgrammar batch_accept_token", api.batch_accept_token,
+                lambda a: len(a[1])))
+            batch_rollback = staticmethod(_floor_timed(
+                "xgrammar batch_rollback", api.batch_rollback, lambda a: len(a[0])))
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(api, name)
+        gd._BATCH = _Batch()
+    gm = xgr.GrammarMatcher
+    for name, items in (("accept_token", lambda a: 1), ("rollback", None),
+                        ("find_jump_forward_string", None),
+                        ("fill_next_token_bitmask", lambda a: 1)):
+        setattr(gm, name, _floor_timed(f"xgrammar {name}", getattr(gm, name), items))
+    bgm = xgr.BatchGrammarMatcher
+    bgm.batch_fill_next_token_bitmask = _floor_timed(
+        "xgrammar batch_fill_next_token_bitmask", bgm.batch_fill_next_token_bitmask,
+        lambda a: len(a[1]))
+    try:
+        from vllm.v1.structured_output.backend_guidance import GuidanceGrammar
+    except ImportError:
+        return
+    for name, items in (("accept_tokens", lambda a: len(a[2])),
+                        ("validate_tokens", lambda a: len(a[1])),
+                        ("rollback", None), ("fill_bitmask", lambda a: 1),
+                        ("is_terminated", None)):
+        setattr(GuidanceGrammar, name, _floor_timed(
+            f"vLLM guidance {name}", getattr(GuidanceGrammar, name), items))
+
+
+def floor_table(cell: dict[str, Any]) -> str:
+    f = cell.get("floor")
+    if not f:
+        return ""
+    lines = [f"Library calls inside the always-on lane's drafting, {cell['vocab']} "
+             f"{cell['backend']}, k={cell['k']}, B={cell['batch']}, per timed step "
+             f"(thread CPU; drafting CPU {f['draft_cpu_ms']:.2f} ms):",
+             "| call | ms per step | calls per step | tokens or rows per step | us each |",
+             "|---|---|---|---|---|"]
+    for name, row in sorted(f["calls"].items(), key=lambda x: -x[1]["ms"]):
+        each = row["ms"] * 1e3 / row["items"] if row["items"] else \
+            row["ms"] * 1e3 / max(row["calls"], 1e-9)
+        lines.append(f"| {name} | {row['ms']:.2f} | {row['calls']:.1f} | "
+                     f"{row['items']:.0f} | {each:.2f} |")
+    lines.append(f"| all library calls | {f['library_ms']:.2f} | | | |")
+    return "\n".join(lines)
 
 
 def _timed_logits_class() -> Any:
@@ -624,6 +715,13 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
 
     from vllm_patch import envs
 
+    floor_steps = None
+    if getattr(args, "floor", False):
+        _install_floor(world.gd)
+        for key in ("ns", "calls", "items"):
+            _FLOOR[key] = {}
+        floor_steps = args.reps
+
     gd = world.gd
     gd.CANDIDATES_UPFRONT = None if args.cpu_path else True
     torch.manual_seed(args.seed)
@@ -681,7 +779,9 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
             argmax_before = _ARGMAX["ns"]
             if profile is not None and timed and mode == "always":
                 profile.enable()
+            _FLOOR["on"] = floor_steps is not None and timed and mode == "always"
             draft_ns, logits_ns = lane.draft(logits)
+            _FLOOR["on"] = False
             if profile is not None:
                 profile.disable()
             comp = _COMPILE["ns"] - gd_compile_before
@@ -791,6 +891,16 @@ def run_cell(world: World, k: int, batch: int, args: argparse.Namespace,
                 snap["cost_ms"] = rel * t.cost.step_ns / 1e6
             med["cost_model"] = snap
         out["modes"][mode] = med
+    if floor_steps:
+        calls = {name: {"ms": ns / 1e6 / floor_steps,
+                        "calls": _FLOOR["calls"][name] / floor_steps,
+                        "items": _FLOOR["items"][name] / floor_steps}
+                 for name, ns in _FLOOR["ns"].items()}
+        out["floor"] = {
+            "calls": calls, "steps": floor_steps,
+            "library_ms": sum(c["ms"] for c in calls.values()),
+            "draft_cpu_ms": out["modes"]["always"]["draft_cpu_ms"]
+            if "always" in out["modes"] else float("nan")}
     return out
 
 
@@ -1091,6 +1201,9 @@ def main(argv: list[str] | None = None) -> int:
           f"step from: {args.tokens_from or 'the tiny world README figures'}.")
     for s in skipped:
         print(f"skipped: {s}")
+    for cell in cells:
+        if cell.get("floor"):
+            print("\n" + floor_table(cell))
     if profile is not None:
         import io
         import pstats

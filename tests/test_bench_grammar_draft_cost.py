@@ -1,5 +1,5 @@
 """Smoke test of the grammar-aware drafting cost benchmark
-(benchmarks/grammar_draft_cost.py --quick): it runs, its JSON has the
+(benchmarks/grammar_draft_cost.py --quick --floor): it runs, its JSON has the
 shape the docs' tables are made from, and stock's own verification grammar
 work is measured (nonzero) in the same run as the drafting modes."""
 
@@ -34,7 +34,7 @@ def test_quick_run(tmp_path):
     env.pop("VLLM_PATCH_DISABLE", None)  # the benchmark runs every mode itself
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "grammar_draft_cost.py"),
-         "--quick", "--json", str(out)],
+         "--quick", "--floor", "--json", str(out)],
         capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not a GPU measurement" in proc.stdout
@@ -64,3 +64,11 @@ def test_quick_run(tmp_path):
         assert always["verify_rows"] >= stock["verify_rows"]
         assert 0.97 <= cell["projection"]["20ms"]["eagle"]["off"] <= 1.0
         assert set(cell["projection"]["measured_20ms"]) >= {"eagle", "sim"}
+        # --floor: the library's own calls inside the always-on lane's
+        # drafting (xgrammar's batched accepts at B > 1), a part of its time.
+        floor = cell["floor"]
+        assert floor["steps"] == data["args"]["reps"]
+        if cell["batch"] > 1:
+            assert floor["calls"]["xgrammar batch_accept_token"]["items"] > 0
+        assert 0 < floor["library_ms"] <= always["draft_ms"]
+    assert "Library calls inside the always-on lane's drafting" in proc.stdout

@@ -821,10 +821,53 @@ def _accepts(grammar: Any, req_id: str, tokens: list[int]) -> bool:
     """Advance a vLLM grammar by `tokens` if it accepts them all.
     Checked first with validate_tokens (which advances nothing): a refusal
     is expected here (a shadow out of step, an unmasked draft), and
-    xgrammar's accept_tokens logs it as an ERROR asking to file an issue."""
+    xgrammar's accept_tokens logs it as an ERROR asking to file an issue.
+    A guidance grammar and tokens without its stop token: one llguidance
+    call instead of the two (`_guidance_accepts`)."""
+    if tokens and _guidance_accepts is not None:
+        got = _guidance_accepts(grammar, tokens)
+        if got is not None:
+            return got
     if len(grammar.validate_tokens(tokens)) != len(tokens):
         return False
     return grammar.accept_tokens(req_id, tokens)
+
+
+def _llguidance_accepts(grammar: Any, tokens: list[int]) -> bool | None:
+    """vLLM's GuidanceGrammar: validate_tokens then accept_tokens, as one
+    `LLMatcher.try_consume_tokens` (it consumes the tokens the grammar
+    takes, in order, and never puts the matcher in its error state), the
+    part consumed of a refused list rolled back. Same outcome and the same
+    matcher state as the two calls for tokens without the stop token (vLLM's
+    accept_tokens then only consumes them; its validate_tokens refuses
+    everything once the matcher stopped), for half the price: the tries of
+    a guidance walk were 12 us of validation plus 6 us of consumption a
+    token at a 131k vocabulary. None: not such a grammar, or a list with
+    the stop token (vLLM's own calls: its termination bookkeeping)."""
+    matcher = getattr(grammar, "ll_matcher", None)
+    if type(grammar).__name__ != "GuidanceGrammar" or matcher is None:
+        return None
+    if grammar.ll_tokenizer.eos_token in tokens or -1 in tokens:
+        return None
+    if matcher.is_stopped():
+        return False
+    n = matcher.try_consume_tokens(tokens)
+    if n == len(tokens):
+        return True
+    if n:
+        matcher.rollback(n)
+    return False
+
+
+def _has_try_consume() -> bool:
+    try:
+        import llguidance
+    except ImportError:
+        return False
+    return hasattr(llguidance.LLMatcher, "try_consume_tokens")
+
+
+_guidance_accepts = _llguidance_accepts if _has_try_consume() else None
 
 
 def begin(drafter: Any, batch_size: int) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_patch.audited import pin
 from vllm_patch.patching import Patch
 from vllm_patch.v1.spec_decode import grammar_drafts as gd
 
@@ -178,5 +179,15 @@ PATCHES: list[Patch] = [
              "token walks the shadow; after the grammar's end the request "
              "hands over no more drafts. Other rows: stock"),
         upstream=_UPSTREAM, remove_when=_REMOVE,
+        pins=(pin("vllm.v1.structured_output.backend_guidance:"
+                  "GuidanceGrammar.validate_tokens",
+                  "counts with self.ll_matcher.validate_tokens, nothing once "
+                  "the matcher stopped (a guidance shadow's try is one "
+                  "try_consume_tokens of the same matcher)"),
+              pin("vllm.v1.structured_output.backend_guidance:"
+                  "GuidanceGrammar.accept_tokens",
+                  "tokens without the stop token are consumed by "
+                  "self.ll_matcher and nothing else changes",
+                  on_build=True)),
     ),
 ]
