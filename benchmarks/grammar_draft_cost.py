@@ -75,6 +75,8 @@ stock's figure on the steps its cost model kept stock.
     python benchmarks/grammar_draft_cost.py --quick                 # < 30 s
     python benchmarks/grammar_draft_cost.py --vocabs tekken --json /tmp/c.json
     python benchmarks/grammar_draft_cost.py --profile               # hot spots
+    python benchmarks/grammar_draft_cost.py --floor --vocabs 131k --backends xgrammar --k 4 --batch 256
+                                         # + the grammar library's own calls in it
 
 Verification threads as vLLM would run them (--verify-threads auto, the
 default): the patched lanes' scheduler gets vLLM's fill pool where vLLM

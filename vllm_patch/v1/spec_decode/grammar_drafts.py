@@ -22,7 +22,8 @@ xgrammar's shadows are advanced, tried and rolled back for the whole
 batch at once (`BatchGrammarMatcher.batch_accept_token` /
 `batch_rollback` on the matchers' handles: one C++ call per token column
 or candidate rank instead of one per row); the other backends row by row
-through vLLM's grammar API.
+through vLLM's grammar API, except a guidance shadow's try of tokens
+without the stop token: one llguidance call (`_llguidance_accepts`).
 
 Whose backend compiles the shadow:
 - In-process executor (the worker runs in the engine-core process, one
