@@ -308,21 +308,11 @@ class World:
         return cfg
 
     def _documents(self, args: argparse.Namespace) -> list[tuple[str, list[int]]]:
-        from vllm_patch.testing.vocabularies import json_grammar
+        from vllm_patch.testing.jsonschemabench import maskbench_entries
         from vllm_patch.v1.spec_decode.forced_drafts import vocab_for
 
         out = []
-        for path in sorted(maskbench().glob("*.json")):
-            entry = json.loads(path.read_text())
-            valid = [t["data"] for t in entry.get("tests", []) if t.get("valid")]
-            if not valid:
-                continue
-            spec = entry["schema"] if isinstance(entry["schema"], str) \
-                else json.dumps(entry["schema"])
-            try:
-                g = json_grammar(self.backend, spec)
-            except Exception:  # noqa: BLE001 - schemas a backend refuses
-                continue
+        for spec, g, valid in maskbench_entries(self.backend, maskbench()):
             vocab = vocab_for(g, self.tokenizer)
             for data in valid:
                 text = json.dumps(data, separators=(",", ":"), ensure_ascii=False)

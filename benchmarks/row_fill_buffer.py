@@ -33,24 +33,13 @@ VOCABS = {"32k": "spm", "131k": "tekken"}
 
 
 def documents(backend, tokenizer, count: int, min_tokens: int) -> list[tuple[str, list[int]]]:
-    from vllm_patch.testing.jsonschemabench import MASKBENCH, MISSING
-    from vllm_patch.testing.vocabularies import json_grammar
+    from vllm_patch.testing.jsonschemabench import MASKBENCH, MISSING, maskbench_entries
     from vllm_patch.v1.spec_decode.forced_drafts import vocab_for
 
     if not MASKBENCH.is_dir():
         raise SystemExit(MISSING)
     out = []
-    for path in sorted(MASKBENCH.glob("*.json")):
-        entry = json.loads(path.read_text())
-        valid = [t["data"] for t in entry.get("tests", []) if t.get("valid")]
-        if not valid:
-            continue
-        spec = entry["schema"] if isinstance(entry["schema"], str) \
-            else json.dumps(entry["schema"])
-        try:
-            g = json_grammar(backend, spec)
-        except Exception:  # noqa: BLE001 - a schema the backend refuses
-            continue
+    for spec, g, valid in maskbench_entries(backend):
         text = json.dumps(valid[0], separators=(",", ":"), ensure_ascii=False)
         ids = vocab_for(g, tokenizer).encode_after(text)
         if ids and len(ids) >= min_tokens and len(g.validate_tokens(ids)) == len(ids):

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from vllm_patch.testing.jsonschemabench import MASKBENCH, MISSING
+from vllm_patch.testing.jsonschemabench import MASKBENCH, MISSING, maskbench_entries
 from vllm_patch.testing.vocabularies import json_grammar, load_tokenizer, make_backend
 from vllm_patch.v1.spec_decode import grammar_drafts as gd
 
@@ -27,17 +27,7 @@ def _documents(backend, tokenizer, count: int):
     from vllm_patch.v1.spec_decode.forced_drafts import vocab_for
 
     out = []
-    for path in sorted(MASKBENCH.glob("*.json")):
-        entry = json.loads(path.read_text())
-        valid = [t["data"] for t in entry.get("tests", []) if t.get("valid")]
-        if not valid:
-            continue
-        spec = entry["schema"] if isinstance(entry["schema"], str) \
-            else json.dumps(entry["schema"])
-        try:
-            g = json_grammar(backend, spec)
-        except Exception:  # noqa: BLE001 - a schema the backend refuses
-            continue
+    for spec, g, valid in maskbench_entries(backend):
         text = json.dumps(valid[0], separators=(",", ":"), ensure_ascii=False)
         ids = vocab_for(g, tokenizer).encode_after(text)
         if ids and 8 <= len(ids) <= 200 and len(g.validate_tokens(ids)) == len(ids):
