@@ -182,8 +182,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time the grammar library's own calls inside the "
                          "always-on lane's drafting (xgrammar: its batched "
                          "accepts and rollbacks, jump-forward strings, fills; "
-                         "guidance: vLLM's grammar calls, the library plus "
-                         "vLLM's Python around it): per step, the part of the "
+                         "guidance: its tries and vLLM's grammar calls, the "
+                         "library plus vLLM's Python around it): per step, the part of the "
                          "drafting CPU that no change to the Python around "
                          "them removes")
     ap.add_argument("--json", default=None, help="write the results here")
@@ -395,6 +395,10 @@ def _install_floor(gd: Any) -> None:
     bgm.batch_fill_next_token_bitmask = _floor_timed(
         "xgrammar batch_fill_next_token_bitmask", bgm.batch_fill_next_token_bitmask,
         lambda a: len(a[1]))
+    if gd._guidance_accepts is not None:  # a guidance shadow's try: one call
+        gd._guidance_accepts = _floor_timed(
+            "llguidance try_consume_tokens (a try)", gd._guidance_accepts,
+            lambda a: len(a[1]))
     try:
         from vllm.v1.structured_output.backend_guidance import GuidanceGrammar
     except ImportError:
