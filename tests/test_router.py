@@ -431,8 +431,19 @@ def _closes_kept_connections(role: str, seen: list):
                               "logprobs": None}]})
         return web.json_response(body)
 
+    async def tokenize(request):
+        if any(p is request.protocol for p in served):
+            seen.append((role, "closed"))
+            request.transport.close()
+            return web.Response()
+        served.append(request.protocol)
+        await request.json()
+        seen.append((role, "answered"))
+        return web.json_response({"tokens": [1, 2], "count": 2, "max_model_len": 512})
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/tokenize", tokenize)
     return app
 
 
@@ -462,6 +473,16 @@ def test_a_kept_connection_the_instance_closed_is_sent_again_on_a_new_one():
         assert [e for _, e in seen].count("answered") == 8, seen
         assert [e for _, e in seen].count("closed") == 4, seen
         assert router.router.counts["stale_retries"] == 4
+        # a read-only request (POST /tokenize, to the decode instance) alike
+        seen.clear()
+        for i in range(4):
+            r = requests.post(router.url + "/tokenize",
+                              json={"model": "tiny", "prompt": f"t{i}"}, timeout=30)
+            assert r.status_code == 200, (i, r.text, seen)
+            assert r.json()["count"] == 2
+        assert [e for _, e in seen].count("answered") == 4, seen
+        assert [e for _, e in seen].count("closed") == 2, seen
+        assert router.router.counts["stale_retries"] == 4 + 2
     finally:
         router.stop()
         decode.stop()

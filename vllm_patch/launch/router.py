@@ -38,7 +38,8 @@ is still on its way, more likely on a loaded host): the request then meets
 connection with no answer begun, is sent once more on a new connection to
 the same instance (counted as `stale_retries`), as HTTP clients such as
 Go's do for a closed idle connection; a request that fails on a new
-connection is not sent again (the instance itself failed).
+connection is not sent again (the instance itself failed). The same for
+the read-only endpoints (they only read: also when an answer had begun).
 
 GET /health: 200 when every instance answers /health with 200 within
 HEALTH_TIMEOUT_S; else 503; the body maps each instance to its status (599:
@@ -404,16 +405,26 @@ class Router:
         raw = await request.read()
         headers = {k: v for k, v in request.headers.items()
                    if k.lower() in _FORWARD_HEADERS + ("content-type",)}
+        assert self.fresh is not None
         err: BaseException | None = None
         for url in self._decode_order():
-            try:
-                async with self.session.request(
-                        method or request.method, url + path_qs, data=raw or None,
-                        headers=headers, timeout=ClientTimeout(total=READ_TIMEOUT_S)) as r:
-                    return (r.status, await r.read(),
-                            r.headers.get("Content-Type", "application/json"))
-            except (ClientError, asyncio.TimeoutError) as e:
-                err = e
+            # a kept connection first; a new one if the instance had closed it
+            for session in (self.session, self.fresh):
+                reuse: dict = {}
+                try:
+                    async with session.request(
+                            method or request.method, url + path_qs, data=raw or None,
+                            headers=headers, timeout=ClientTimeout(total=READ_TIMEOUT_S),
+                            trace_request_ctx=reuse) as r:
+                        return (r.status, await r.read(),
+                                r.headers.get("Content-Type", "application/json"))
+                except (ClientError, asyncio.TimeoutError) as e:
+                    err = e
+                    if session is self.fresh or not reuse.get("reused") or \
+                            isinstance(e, ClientConnectorError) or \
+                            not isinstance(e, (ServerDisconnectedError, ClientOSError)):
+                        break  # the next instance
+                    self.counts["stale_retries"] += 1
         assert err is not None
         raise err
 
