@@ -416,12 +416,18 @@ def _closes_kept_connections(role: str, seen: list):
 
     served: list = []  # the connections' handlers (kept: an id may be reused)
 
-    async def completions(request):
+    def closed(request) -> bool:
+        """A kept connection: closed unanswered (True); else remembered."""
         if any(p is request.protocol for p in served):
             seen.append((role, "closed"))
             request.transport.close()
-            return web.Response()  # never reaches the router
+            return True
         served.append(request.protocol)
+        return False
+
+    async def completions(request):
+        if closed(request):
+            return web.Response()  # never reaches the router
         await request.json()
         seen.append((role, "answered"))
         body = ({"choices": [{"text": "x"}], "kv_transfer_params": {"from": role}}
@@ -432,11 +438,8 @@ def _closes_kept_connections(role: str, seen: list):
         return web.json_response(body)
 
     async def tokenize(request):
-        if any(p is request.protocol for p in served):
-            seen.append((role, "closed"))
-            request.transport.close()
+        if closed(request):
             return web.Response()
-        served.append(request.protocol)
         await request.json()
         seen.append((role, "answered"))
         return web.json_response({"tokens": [1, 2], "count": 2, "max_model_len": 512})

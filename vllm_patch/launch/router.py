@@ -251,15 +251,24 @@ class Router:
                                    url, type(e).__name__, e, urls[n + 1])
                     break
                 except (ServerDisconnectedError, ClientOSError) as e:
-                    if session is self.fresh or not reuse.get("reused"):
+                    if not self._stale(session, reuse, e, url):
                         raise
-                    # a kept connection the instance closed as idle while the
-                    # request was on its way: once more, on a new connection
-                    self.counts["stale_retries"] += 1
-                    logger.info("P/D: %s closed a kept connection under the request "
-                                "(%s: %s); sending it again on a new connection",
-                                url, type(e).__name__, e)
         raise AssertionError("no instance")  # urls is never empty
+
+    def _stale(self, session: ClientSession, reuse: dict, e: BaseException,
+               url: str) -> bool:
+        """Did `e` meet a kept connection the instance had closed as idle
+        while the request was on its way (the request goes once more, on a
+        new connection: counted and logged here)? Not for a new connection,
+        nor for a connection that was never made."""
+        if session is self.fresh or not reuse.get("reused") \
+                or isinstance(e, ClientConnectorError) \
+                or not isinstance(e, (ServerDisconnectedError, ClientOSError)):
+            return False
+        self.counts["stale_retries"] += 1
+        logger.info("P/D: %s closed a kept connection under the request (%s: %s); "
+                    "sending it again on a new connection", url, type(e).__name__, e)
+        return True
 
     async def start(self, app: web.Application) -> None:
         reuse = TraceConfig()
@@ -420,11 +429,8 @@ class Router:
                                 r.headers.get("Content-Type", "application/json"))
                 except (ClientError, asyncio.TimeoutError) as e:
                     err = e
-                    if session is self.fresh or not reuse.get("reused") or \
-                            isinstance(e, ClientConnectorError) or \
-                            not isinstance(e, (ServerDisconnectedError, ClientOSError)):
+                    if not self._stale(session, reuse, e, url):
                         break  # the next instance
-                    self.counts["stale_retries"] += 1
         assert err is not None
         raise err
 
